@@ -1,0 +1,159 @@
+"""Experiment config → checked, typed team spec.
+
+Experiments are ml_collections ConfigDicts (`experiments/*.py: get_config()`).
+`build_team_spec` checks every field before anything is compiled or written and
+raises `ConfigError` naming the field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+from flexmarl.models.transformer import PRESETS, ModelConfig
+from flexmarl.rollout.sampler import SamplingParams
+from flexmarl.train.grpo import GRPOConfig
+from flexmarl.train.trainer import OptimizerConfig
+
+SCHEDULES = ('sync',)
+
+
+class ConfigError(ValueError):
+  """A config field is wrong; the message names the field, the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSpec:
+  name: str
+  model: ModelConfig
+  sampling: SamplingParams
+  optimizer: OptimizerConfig
+  grpo: GRPOConfig
+  group_size: int
+  global_batch: int  # rows (samples) per optimizer step
+  micro_batch: int  # rows per gradient accumulation
+  mesh_shape: tuple[int, int]  # (data, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamSpec:
+  seed: int
+  steps: int
+  schedule: str
+  max_prompt_len: int
+  tokenizer: str
+  agents: Mapping[str, AgentSpec]
+  queries_per_wave: int
+  max_waves: int
+  checkpoint_every: int
+
+
+def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:
+  """Default per-agent config; experiment files start from it and override fields."""
+  cfg = ml_collections.ConfigDict(dict(
+      model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
+                 dtype='float32'),
+      group_size=8,
+      global_batch=64,
+      micro_batch=16,
+      mesh_shape=(1, 1),
+      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=4),
+      optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0),
+      grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.0, normalize_std=True),
+  ))
+  for key, value in overrides.items():
+    cfg[key] = value
+  return cfg
+
+
+def _fail(field: str, value: Any, fix: str) -> None:
+  raise ConfigError(f'config.{field}={value!r}: {fix}')
+
+
+def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> AgentSpec:
+  f = f'agents.{name}'
+  model = dict(a.model)
+  preset = model.pop('preset')
+  if preset not in PRESETS:
+    _fail(f'{f}.model.preset', preset, f'choose one of {sorted(PRESETS)}.')
+  sizes = dict(PRESETS[preset])
+  sizes.update({k: v for k, v in model.items() if k != 'vocab_size'})
+  model_vocab = model.get('vocab_size') or vocab_size
+  if model_vocab < vocab_size:
+    _fail(f'{f}.model.vocab_size', model_vocab,
+          f'the tokenizer has {vocab_size} tokens; use 0 (take the tokenizer size) or more.')
+  sizes['vocab_size'] = model_vocab
+  try:
+    model_cfg = ModelConfig(**sizes)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'config.{f}.model: {e}') from None
+  for key in ('group_size', 'global_batch', 'micro_batch'):
+    if a[key] < 1:
+      _fail(f'{f}.{key}', a[key], 'must be a positive number of samples.')
+  if a.global_batch % a.group_size:
+    _fail(f'{f}.global_batch', a.global_batch,
+          f'must be a multiple of group_size={a.group_size} (GRPO groups are never split).')
+  if a.micro_batch % a.group_size:
+    _fail(f'{f}.micro_batch', a.micro_batch,
+          f'must be a multiple of group_size={a.group_size} so that no micro-batch '
+          'splits a GRPO group.')
+  if a.global_batch % a.micro_batch:
+    _fail(f'{f}.micro_batch', a.micro_batch,
+          f'must divide global_batch={a.global_batch}; try '
+          f'{[d for d in range(a.group_size, a.global_batch + 1, a.group_size) if a.global_batch % d == 0]}.')
+  mesh = tuple(a.mesh_shape)
+  if len(mesh) != 2 or min(mesh) < 1:
+    _fail(f'{f}.mesh_shape', mesh, 'give (data, model), each >= 1 device.')
+  s = a.sampling
+  if s.temperature <= 0:
+    _fail(f'{f}.sampling.temperature', s.temperature, 'must be > 0.')
+  if not 0 < s.top_p <= 1:
+    _fail(f'{f}.sampling.top_p', s.top_p, 'must be in (0, 1].')
+  if s.max_new_tokens < 1:
+    _fail(f'{f}.sampling.max_new_tokens', s.max_new_tokens, 'must be >= 1.')
+  if a.optimizer.learning_rate <= 0:
+    _fail(f'{f}.optimizer.learning_rate', a.optimizer.learning_rate, 'must be > 0.')
+  return AgentSpec(
+      name=name, model=model_cfg,
+      sampling=SamplingParams(**s.to_dict()),
+      optimizer=OptimizerConfig(**a.optimizer.to_dict()),
+      grpo=GRPOConfig(temperature=s.temperature, **a.grpo.to_dict()),
+      group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
+      mesh_shape=mesh)
+
+
+def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devices: int,
+                    workflow_agents: Sequence[str]) -> TeamSpec:
+  """Check the whole config; raise ConfigError on the first bad field."""
+  if config.schedule not in SCHEDULES:
+    _fail('schedule', config.schedule, f'choose one of {list(SCHEDULES)}.')
+  if config.steps < 1:
+    _fail('steps', config.steps, 'must be >= 1.')
+  if config.max_prompt_len < 2:
+    _fail('max_prompt_len', config.max_prompt_len, 'must be >= 2 (BOS and one token).')
+  if not config.agents:
+    _fail('agents', {}, 'define at least one agent (see flexmarl.config.agent_config).')
+  for name in workflow_agents:
+    if name not in config.agents:
+      _fail('workflow', name, f'the workflow calls agent {name!r}, which config.agents does '
+            f'not define (defined: {sorted(config.agents)}); add it or rename it.')
+  agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
+  needed = sum(s.mesh_shape[0] * s.mesh_shape[1] for s in agents.values())
+  if needed > num_devices:
+    _fail('agents.*.mesh_shape', {n: s.mesh_shape for n, s in agents.items()},
+          f'the meshes need {needed} devices but {num_devices} are available; shrink the '
+          'meshes (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N first).')
+  r = config.rollout
+  if r.queries_per_wave < 1:
+    _fail('rollout.queries_per_wave', r.queries_per_wave, 'must be >= 1.')
+  if r.max_waves < 1:
+    _fail('rollout.max_waves', r.max_waves, 'must be >= 1.')
+  if config.checkpoint_every < 1:
+    _fail('checkpoint_every', config.checkpoint_every, 'must be >= 1 (steps).')
+  return TeamSpec(seed=config.seed, steps=config.steps, schedule=config.schedule,
+                  max_prompt_len=config.max_prompt_len, tokenizer=config.tokenizer,
+                  agents=agents, queries_per_wave=r.queries_per_wave, max_waves=r.max_waves,
+                  checkpoint_every=config.checkpoint_every)

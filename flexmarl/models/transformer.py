@@ -1,0 +1,202 @@
+"""Decoder-only transformer in the Llama / Qwen2 layout, written in Flax NNX.
+
+RMSNorm, rotary position embeddings, grouped-query attention, a SwiGLU MLP and
+optionally tied embeddings: the same parameter layout as HF Llama/Qwen2, so their
+checkpoints can map onto it name for name.
+
+Every parameter carries logical axis names (`out_sharding` metadata, not sharded
+eagerly); `flexmarl.models.sharding` maps them onto a `jax.sharding.Mesh`.
+
+The forward pass is functional in its KV cache: training calls it without a cache,
+the sampler passes a cache and gets the updated cache back. That keeps the hot
+loops as pure `jax.jit` functions over split state (see FACTS.md: `nnx.jit` costs
+far more per call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# One layer's (key, value) cache: [batch, cache_len, kv_heads, head_dim] each.
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of one policy. Defaults are the ≈100k-parameter test size."""
+
+  vocab_size: int = 64
+  hidden: int = 64
+  layers: int = 2
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 16
+  mlp: int = 128
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
+  tie_embeddings: bool = True
+  dtype: str = 'float32'
+
+  def __post_init__(self):
+    if self.heads % self.kv_heads:
+      raise ValueError(
+          f'model.heads={self.heads} is not a multiple of model.kv_heads='
+          f'{self.kv_heads}: grouped-query attention shares each KV head among '
+          'a whole number of query heads. Pick kv_heads dividing heads.')
+
+
+# Named sizes, from the test size up to the Qwen2.5-0.5B shape.
+PRESETS: dict[str, dict[str, Any]] = {
+    'tiny': dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128),
+    'small': dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, mlp=256),
+    'base': dict(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768),
+    'qwen2.5-0.5b': dict(vocab_size=151936, hidden=896, layers=24, heads=14,
+                         kv_heads=2, head_dim=64, mlp=4864, rope_theta=1e6,
+                         norm_eps=1e-6, tie_embeddings=True),
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           scale: float, dtype) -> nnx.Param:
+  value = jax.random.normal(rngs.params(), shape, dtype) * scale
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype), out_sharding=('embed',),
+                           eager_sharding=False)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    var = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return (x * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.scale[...]
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, HF 'rotate_half' convention. x: [B, L, H, D]."""
+  half = x.shape[-1] // 2
+  freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, L, half]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dt = jnp.dtype(cfg.dtype)
+    s = cfg.hidden ** -0.5
+    self.cfg = cfg
+    self.q = _param(rngs, (cfg.hidden, cfg.heads, cfg.head_dim), ('embed', 'heads', None), s, dt)
+    self.k = _param(rngs, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
+    self.v = _param(rngs, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
+    self.o = _param(rngs, (cfg.heads, cfg.head_dim, cfg.hidden), ('heads', None, 'embed'),
+                    (cfg.heads * cfg.head_dim) ** -0.5, dt)
+    if cfg.qkv_bias:
+      zeros = lambda *shape: jnp.zeros(shape, dt)
+      self.q_bias = nnx.Param(zeros(cfg.heads, cfg.head_dim), out_sharding=('heads', None), eager_sharding=False)
+      self.k_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
+      self.v_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
+
+  def __call__(self, x, positions, kv_mask, cache, write_index):
+    cfg = self.cfg
+    q = jnp.einsum('bld,dhk->blhk', x, self.q[...])
+    k = jnp.einsum('bld,dhk->blhk', x, self.k[...])
+    v = jnp.einsum('bld,dhk->blhk', x, self.v[...])
+    if cfg.qkv_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    length = x.shape[1]
+    if cache is not None:
+      ck, cv = cache
+      k = jax.lax.dynamic_update_slice_in_dim(ck, k, write_index, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(cv, v, write_index, axis=1)
+      cache = (k, v)
+    # Query i sits at cache slot write_index + i and sees slots <= that one.
+    q_slot = write_index + jnp.arange(length)
+    k_slot = jnp.arange(k.shape[1])
+    mask = (k_slot[None, :] <= q_slot[:, None])[None] & kv_mask[:, None, :]  # [B, L, S]
+    groups = cfg.heads // cfg.kv_heads
+    q = q.reshape(q.shape[0], length, cfg.kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum('blhgk,bshk->bhgls', q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum('bhgls,bshk->blhgk', probs, v).reshape(x.shape[0], length, cfg.heads, cfg.head_dim)
+    return jnp.einsum('blhk,hkd->bld', out, self.o[...]), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dt = jnp.dtype(cfg.dtype)
+    self.gate = _param(rngs, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
+    self.up = _param(rngs, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
+    self.down = _param(rngs, (cfg.mlp, cfg.hidden), ('mlp', 'embed'), cfg.mlp ** -0.5, dt)
+
+  def __call__(self, x):
+    return (jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dt = jnp.dtype(cfg.dtype)
+    self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, kv_mask, cache, write_index):
+    h, cache = self.attn(self.attn_norm(x), positions, kv_mask, cache, write_index)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Decoder(nnx.Module):
+  """The policy: token ids in, next-token logits out."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dt = jnp.dtype(cfg.dtype)
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'), 1.0, dt)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+    self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden, cfg.vocab_size), ('embed', 'vocab'),
+                            cfg.hidden ** -0.5, dt)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
+               cache: KVCache | None = None, write_index: jax.Array | int = 0
+               ) -> tuple[jax.Array, KVCache | None]:
+    """tokens, positions: [B, L]; kv_mask: [B, S] marks real (non-pad) key slots,
+    S = L without a cache, the cache length with one. Returns fp32 logits [B, L, V]."""
+    x = self.embed[...][tokens]
+    new_cache = [] if cache is not None else None
+    for i, block in enumerate(self.blocks):
+      x, layer_cache = block(x, positions, kv_mask, None if cache is None else cache[i], write_index)
+      if cache is not None:
+        new_cache.append(layer_cache)
+    x = self.norm(x)
+    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return (x @ head).astype(jnp.float32), new_cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+  shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+  dt = jnp.dtype(cfg.dtype)
+  return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.layers)]
+
+
+def count_params(state: nnx.State) -> int:
+  return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,171 @@
+"""Samplers: the rollout backends behind one interface.
+
+A sampler turns a batch of prompts into sampled responses with the per-token
+logprobs of the sampled tokens, serving one policy version. Backends:
+`EmbeddedSampler` (batched, jitted, KV cache; runs anywhere JAX runs) and, later,
+vLLM engines. The rollout engine only sees the `Sampler` protocol.
+
+Randomness: every row brings its own key, derived from (seed, agent, version,
+sample_id) by the caller, so what a sample draws never depends on which other
+requests share its batch or in which order they arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flexmarl.models import transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_new_tokens: int = 8
+
+
+@dataclasses.dataclass
+class SampleBatch:
+  """Sampler output for B rows. tokens/logprobs: [B, T] (pad after EOS);
+  lengths: [B] response lengths including the EOS token when one was drawn."""
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+
+
+class Sampler(Protocol):
+  """What the rollout engine needs from a backend."""
+
+  version: int
+
+  def generate(self, prompts: list[list[int]], keys: np.ndarray,
+               params: SamplingParams) -> SampleBatch:
+    ...
+
+  def update_weights(self, state: nnx.State, version: int) -> None:
+    ...
+
+
+def sample_key(seed: int, agent: str, version: int, sample_id: str) -> np.ndarray:
+  """A raw uint32[2] PRNG key that depends only on its arguments (stable hash)."""
+  digest = hashlib.blake2b(f'{seed}|{agent}|{version}|{sample_id}'.encode(), digest_size=8).digest()
+  return np.frombuffer(digest, dtype=np.uint32).copy()
+
+
+def left_pad(seqs: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-align `seqs` in a [B, length] array; returns (ids, mask)."""
+  ids = np.full((len(seqs), length), pad_id, np.int32)
+  mask = np.zeros((len(seqs), length), bool)
+  for i, s in enumerate(seqs):
+    if len(s) > length:
+      raise ValueError(f'prompt of {len(s)} tokens exceeds max_prompt_len={length}: '
+                       'raise config.max_prompt_len or shorten the prompt.')
+    if s:
+      ids[i, length - len(s):] = s
+      mask[i, length - len(s):] = True
+  return ids, mask
+
+
+def bucket(n: int, multiple: int = 1) -> int:
+  """Round a batch size up to a power of two (few distinct shapes → few compiles)."""
+  size = 1
+  while size < n:
+    size *= 2
+  return -(-size // multiple) * multiple
+
+
+def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Mask the tail of each row outside the smallest set with mass >= top_p."""
+  sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = mass_before < top_p
+  threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
+                    prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array,
+                    top_p: jax.Array, *, max_new_tokens: int, eos_id: int, pad_id: int):
+  """Pure sampling loop: prefill the prompt, then decode `max_new_tokens` steps.
+
+  Returns tokens [B, T], logprobs [B, T] of the sampled tokens under the
+  temperature-scaled distribution, and lengths [B].
+  """
+  model = nnx.merge(graphdef, state)
+  cfg = model.cfg
+  batch, prompt_len = prompts.shape
+  cache = transformer.init_cache(cfg, batch, prompt_len + max_new_tokens)
+  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, max_new_tokens), bool)], 1)
+  positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+  logits, cache = model(prompts, positions, kv_mask, cache, 0)
+  next_pos = positions[:, -1] + 1
+
+  def step(carry, t):
+    logits, cache, kv_mask, pos, done = carry
+    scaled = logits / temperature
+    filtered = _filter_top_p(scaled, top_p)
+    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+    token = jax.vmap(jax.random.categorical)(step_keys, filtered)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], 1)[:, 0]
+    token = jnp.where(done, pad_id, token)
+    logprob = jnp.where(done, 0.0, logprob)
+    slot = prompt_len + t
+    kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, (~done)[:, None], slot, 1)
+    new_logits, cache = model(token[:, None], pos[:, None], kv_mask, cache, slot)
+    emitted = ~done
+    done = done | (token == eos_id)
+    return (new_logits[:, 0], cache, kv_mask, pos + 1, done), (token, logprob, emitted)
+
+  init = (logits[:, -1], cache, kv_mask, next_pos, jnp.zeros((batch,), bool))
+  _, (tokens, logprobs, emitted) = jax.lax.scan(step, init, jnp.arange(max_new_tokens))
+  return tokens.T, logprobs.T, emitted.sum(0)
+
+
+class EmbeddedSampler:
+  """The default backend: one jitted KV-cache sampling loop on the instance's devices.
+
+  Batches are padded to power-of-two sizes and prompts to `max_prompt_len`, so a
+  run compiles a handful of shapes once and then reuses them.
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, max_prompt_len: int,
+               eos_id: int, pad_id: int, batch_multiple: int = 1, version: int = 0):
+    self.graphdef = graphdef
+    self.state = state
+    self.version = version
+    self.max_prompt_len = max_prompt_len
+    self.eos_id, self.pad_id = eos_id, pad_id
+    self.batch_multiple = batch_multiple
+    self._generate = jax.jit(
+        functools.partial(generate_tokens, graphdef),
+        static_argnames=('max_new_tokens', 'eos_id', 'pad_id'))
+
+  def update_weights(self, state: nnx.State, version: int) -> None:
+    """Serve new weights in place; JAX arrays are immutable, so no copy is needed."""
+    self.state = state
+    self.version = version
+
+  def generate(self, prompts: list[list[int]], keys: np.ndarray,
+               params: SamplingParams) -> SampleBatch:
+    n = len(prompts)
+    size = bucket(n, self.batch_multiple)
+    ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
+    mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
+    all_keys = np.zeros((size, 2), np.uint32)
+    all_keys[:n] = keys
+    tokens, logprobs, lengths = self._generate(
+        self.state, ids, mask, all_keys, np.float32(params.temperature),
+        np.float32(params.top_p), max_new_tokens=params.max_new_tokens,
+        eos_id=self.eos_id, pad_id=self.pad_id)
+    tokens, logprobs, lengths = jax.device_get((tokens, logprobs, lengths))
+    return SampleBatch(tokens[:n], logprobs[:n], lengths[:n])

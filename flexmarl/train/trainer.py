@@ -1,0 +1,183 @@
+"""One agent's training state and its two compiled steps.
+
+`AgentTrainer` holds an agent's parameters and optimizer state on its mesh. It
+accumulates gradients over micro-batches (`accumulate`) and applies one optimizer
+step per global batch (`apply`), dividing by the batch's token count then. The
+schedules decide *when* these run; the numbers do not depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from flexmarl.models import sharding, transformer
+from flexmarl.rollout.sampler import bucket, left_pad
+from flexmarl.train import grpo
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = 3e-3
+  b1: float = 0.9
+  b2: float = 0.99
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.max_grad_norm),
+      optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@dataclasses.dataclass
+class TrainBatch:
+  """Rows of one micro-batch, host-side. Prompts left-padded to P, responses
+  right-padded to T, exactly as the sampler laid them out."""
+
+  prompts: np.ndarray  # [B, P] int32
+  prompt_mask: np.ndarray  # [B, P] bool
+  responses: np.ndarray  # [B, T] int32
+  response_mask: np.ndarray  # [B, T] bool
+  behaviour_logprobs: np.ndarray  # [B, T] float32
+  advantages: np.ndarray  # [B] float32
+
+  @classmethod
+  def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
+                logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
+                response_len: int, pad_id: int, batch_multiple: int = 1) -> 'TrainBatch':
+    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out)."""
+    n = len(prompts)
+    size = bucket(n, batch_multiple)
+    ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
+    resp = np.full((size, response_len), pad_id, np.int32)
+    rmask = np.zeros((size, response_len), bool)
+    blp = np.zeros((size, response_len), np.float32)
+    for i, (r, lp) in enumerate(zip(responses, logprobs)):
+      resp[i, :len(r)], rmask[i, :len(r)], blp[i, :len(r)] = r, True, lp
+    adv = np.zeros((size,), np.float32)
+    adv[:n] = advantages
+    return cls(ids, pmask, resp, rmask, blp, adv)
+
+  @property
+  def tokens(self) -> int:
+    return int(self.response_mask.sum())
+
+
+def response_logprobs(graphdef, params, batch: dict, temperature: float):
+  """Logprobs and entropies of the response tokens under `params`: [B, T] each."""
+  model = nnx.merge(graphdef, params)
+  prompt_len = batch['prompts'].shape[1]
+  tokens = jnp.concatenate([batch['prompts'], batch['responses']], 1)
+  valid = jnp.concatenate([batch['prompt_mask'], batch['response_mask']], 1)
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+  logits, _ = model(tokens, positions, valid)
+  resp_logits = logits[:, prompt_len - 1:-1]
+  return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
+
+
+def loss_sum(params, ref_params, batch: dict, *, graphdef, cfg: grpo.GRPOConfig):
+  """Token-summed GRPO loss of one micro-batch, plus summed diagnostics."""
+  mask = batch['response_mask']
+  logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature)
+  ref_logp = None
+  if ref_params is not None:
+    ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature)
+    ref_logp = jax.lax.stop_gradient(ref_logp)
+  per_token = grpo.grpo_token_loss(logp, batch['behaviour_logprobs'], batch['advantages'],
+                                   entropy, ref_logp, cfg)
+  ratio = jnp.exp(logp - batch['behaviour_logprobs'])
+  stats = {
+      'entropy': grpo.masked_sum(entropy, mask),
+      'clipped': grpo.masked_sum((jnp.abs(ratio - 1.0) > cfg.clip_eps).astype(jnp.float32), mask),
+      'ratio_dev': grpo.masked_sum(jnp.abs(ratio - 1.0), mask),
+  }
+  return grpo.masked_sum(per_token, mask), stats
+
+
+class AgentTrainer:
+  """Params + optimizer state of one agent on its mesh, with compiled steps."""
+
+  def __init__(self, name: str, model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
+               grpo_cfg: grpo.GRPOConfig, mesh: Mesh, seed: int):
+    self.name = name
+    self.mesh = mesh
+    self.grpo_cfg = grpo_cfg
+    model = transformer.Decoder(model_cfg, nnx.Rngs(params=seed))
+    self.graphdef, state = nnx.split(model)
+    self.shardings = sharding.param_shardings(state, mesh)
+    self.params = jax.device_put(nnx.to_pure_dict(state), self.shardings)
+    self.tx = make_optimizer(opt_cfg)
+    # Eager init keeps each moment on its parameter's sharding (FACTS.md); scalars
+    # (step counts) land on the default device, so move those onto the mesh.
+    mesh_devices = set(mesh.devices.flat)
+    self.opt_state = jax.tree.map(
+        lambda x: x if x.sharding.device_set <= mesh_devices
+        else jax.device_put(x, sharding.replicated(mesh)), self.tx.init(self.params))
+    self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+    # A frozen copy: the live params are replaced (not mutated) at every step.
+    self.ref_params = jax.tree.map(jnp.copy, self.params) if grpo_cfg.kl_coef else None
+    ref_shardings = self.shardings if grpo_cfg.kl_coef else None
+    self.version = 0
+    self._grads = None
+    self._stats: dict[str, float] = {}
+    self.batch_multiple = mesh.shape['data']
+    batch_sharding = sharding.batch_sharding(mesh)
+
+    def accumulate(params, ref_params, batch, acc):
+      (loss, stats), grads = jax.value_and_grad(
+          functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg), has_aux=True)(
+              params, ref_params, batch)
+      return jax.tree.map(jnp.add, acc, grads), dict(stats, loss=loss)
+
+    def apply(params, opt_state, acc, tokens):
+      grads = jax.tree.map(lambda g: g / tokens, acc)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+    self._accumulate = jax.jit(
+        accumulate, in_shardings=(self.shardings, ref_shardings, batch_sharding, self.shardings),
+        out_shardings=(self.shardings, None), donate_argnums=3)
+    self._apply = jax.jit(
+        apply, in_shardings=(self.shardings, self.opt_shardings, self.shardings, None),
+        out_shardings=(self.shardings, self.opt_shardings, None),
+        donate_argnums=(1, 2))  # not params: a sampler may still be serving them
+
+  def accumulate(self, batch: TrainBatch) -> None:
+    """Add one micro-batch's gradient (of the token-summed loss) to the accumulator."""
+    if self._grads is None:
+      self._grads = jax.tree.map(jnp.zeros_like, self.params)
+    self._grads, stats = self._accumulate(self.params, self.ref_params,
+                                          dataclasses.asdict(batch), self._grads)
+    for k, v in stats.items():
+      self._stats[k] = self._stats.get(k, 0.0) + v
+    self._stats['tokens'] = self._stats.get('tokens', 0) + batch.tokens
+
+  def apply(self) -> dict[str, float]:
+    """One optimizer step over everything accumulated; returns per-token stats."""
+    stats, tokens = self._stats, self._stats.get('tokens', 0)
+    if tokens == 0:
+      raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
+    self.params, self.opt_state, grad_norm = self._apply(
+        self.params, self.opt_state, self._grads, np.float32(tokens))
+    self._grads, self._stats = None, {}
+    self.version += 1
+    out = {k: float(v) / tokens for k, v in stats.items() if k != 'tokens'}
+    return dict(out, grad_norm=float(grad_norm), trained_tokens=tokens)
+
+  def train_state(self) -> dict:
+    """What a checkpoint holds."""
+    return {'params': self.params, 'opt_state': self.opt_state}
+
+  def load_train_state(self, state: dict, version: int) -> None:
+    self.params = jax.device_put(state['params'], self.shardings)
+    self.opt_state = jax.device_put(state['opt_state'], self.opt_shardings)
+    self.version = version

@@ -1,0 +1,26 @@
+"""Built-in workflows, built from the `workflow` section of a config."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from flexmarl.config import ConfigError
+
+from flexmarl.workflows.base import Workflow
+from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant
+from flexmarl.workflows.solver_verifier import SolverVerifier
+
+WORKFLOWS = {'hierarchical_assistant': HierarchicalAssistant, 'solver_verifier': SolverVerifier}
+
+
+def build_workflow(cfg: ml_collections.ConfigDict) -> Workflow:
+  """`cfg.name` picks the class; the other fields are its keyword arguments."""
+  kwargs = cfg.to_dict()
+  name = kwargs.pop('name')
+  if name not in WORKFLOWS:
+    raise ConfigError(f'config.workflow.name={name!r}: choose one of {sorted(WORKFLOWS)}, '
+                     'or pass a Workflow object to flexmarl.orchestrator.train.')
+  try:
+    return WORKFLOWS[name](**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'config.workflow ({name}): {e}') from None
