@@ -61,8 +61,10 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       micro_batch=16,
       mesh_shape=(1, 1),
       sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=4),
-      optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0),
-      grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.0, normalize_std=True),
+      optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+                     decay_steps=0, final_lr_fraction=0.1),
+      grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.0, entropy_decay_steps=0,
+                normalize_std=True),
   ))
   for key, value in overrides.items():
     cfg[key] = value

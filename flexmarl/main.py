@@ -7,7 +7,6 @@ workdir resumes from its latest checkpoints.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
@@ -19,8 +18,12 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Where metrics, checkpoints and 
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def train(config, workdir: str, log=print) -> dict:
-  """Check the config, build the team and run it; returns the summary."""
+def train(config, workdir: str, workflow=None, log=print) -> dict:
+  """Check the config, build the team and run it; returns the summary.
+
+  `workflow`: a Workflow object (see flexmarl.workflows.base); by default the
+  built-in one that `config.workflow` names.
+  """
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
   from flexmarl.config import build_team_spec
@@ -29,7 +32,7 @@ def train(config, workdir: str, log=print) -> dict:
   from flexmarl.workflows import build_workflow
 
   tokenizer = load_tokenizer(config.tokenizer)
-  workflow = build_workflow(config.workflow)
+  workflow = workflow or build_workflow(config.workflow)
   spec = build_team_spec(config, tokenizer.vocab_size, len(jax.devices()),
                          workflow.agent_names())
   os.makedirs(workdir, exist_ok=True)

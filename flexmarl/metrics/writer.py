@@ -8,6 +8,7 @@ run that then died) are dropped, since the resumed run writes them again.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 
@@ -38,7 +39,7 @@ class MetricsWriter:
     self._file.write(json.dumps(line) + '\n')
     self._file.flush()
     for key, value in values.items():
-      if isinstance(value, (int, float)):
+      if isinstance(value, (int, float)) and math.isfinite(value):
         self._tb.add_scalar(f'{agent}/{key}', value, step)
 
   def close(self) -> None:

@@ -169,7 +169,9 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.dtype)
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'), 1.0, dt)
+    # Small embeddings keep the initial policy near uniform (tied logits = x·E).
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'),
+                        cfg.hidden ** -0.5, dt)
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
     self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
     if not cfg.tie_embeddings:

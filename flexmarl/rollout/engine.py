@@ -11,6 +11,7 @@ the workflow's scores, after checking the two agree.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -99,8 +100,17 @@ class RolloutEngine:
 
   def run(self, workflow: Workflow, queries: Sequence[Query], first_index: int = 0
           ) -> list[EpisodeResult]:
-    """Roll out `queries` to completion; results in query order."""
-    return asyncio.run(self._run(workflow, queries, first_index))
+    """Roll out `queries` to completion; results in query order.
+
+    Works from plain code and from inside a running event loop (a notebook): there
+    the rollout gets its own loop on a worker thread.
+    """
+    try:
+      asyncio.get_running_loop()
+    except RuntimeError:
+      return asyncio.run(self._run(workflow, queries, first_index))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      return pool.submit(asyncio.run, self._run(workflow, queries, first_index)).result()
 
   async def _run(self, workflow: Workflow, queries: Sequence[Query], first_index: int):
     pending: list[_Request] = []

@@ -23,9 +23,22 @@ import numpy as np
 class GRPOConfig:
   clip_eps: float = 0.2
   kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds k3 KL.
-  entropy_coef: float = 0.0
+  entropy_coef: float = 0.0  # bonus at version 0, annealed linearly ...
+  entropy_decay_steps: int = 0  # ... to 0 over this many updates (0: constant).
   normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
   temperature: float = 1.0  # the sampling temperature the logprobs refer to.
+
+
+def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
+  """The entropy bonus for an agent's update number `version`.
+
+  Early on the bonus keeps a tiny policy from collapsing onto one answer; once
+  groups agree (zero advantages), Adam would turn the bonus alone into full-size
+  steps toward randomness, so it is annealed away.
+  """
+  if not cfg.entropy_decay_steps:
+    return cfg.entropy_coef
+  return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
@@ -49,7 +62,8 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
 
 def grpo_token_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array,
                     advantages: jax.Array, entropy: jax.Array,
-                    ref_logprobs: jax.Array | None, cfg: GRPOConfig) -> jax.Array:
+                    ref_logprobs: jax.Array | None, cfg: GRPOConfig,
+                    entropy_coef: jax.Array | float) -> jax.Array:
   """Per-token loss [B, T] (to be masked and summed).
 
   advantages: [B], broadcast over a row's tokens.
@@ -57,7 +71,7 @@ def grpo_token_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array,
   ratio = jnp.exp(logprobs - behaviour_logprobs)
   adv = advantages[:, None]
   clipped = jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
-  loss = -jnp.minimum(ratio * adv, clipped * adv) - cfg.entropy_coef * entropy
+  loss = -jnp.minimum(ratio * adv, clipped * adv) - entropy_coef * entropy
   if ref_logprobs is not None and cfg.kl_coef:
     log_r = ref_logprobs - logprobs
     loss = loss + cfg.kl_coef * (jnp.exp(log_r) - log_r - 1.0)  # k3 estimator

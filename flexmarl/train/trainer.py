@@ -30,12 +30,17 @@ class OptimizerConfig:
   b2: float = 0.99
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  decay_steps: int = 0  # cosine decay of the learning rate over this many updates (0: constant)
+  final_lr_fraction: float = 0.1
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  lr = cfg.learning_rate
+  if cfg.decay_steps:
+    lr = optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, cfg.final_lr_fraction)
   return optax.chain(
       optax.clip_by_global_norm(cfg.max_grad_norm),
-      optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+      optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
 
 @dataclasses.dataclass
@@ -84,7 +89,7 @@ def response_logprobs(graphdef, params, batch: dict, temperature: float):
   return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
 
 
-def loss_sum(params, ref_params, batch: dict, *, graphdef, cfg: grpo.GRPOConfig):
+def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig):
   """Token-summed GRPO loss of one micro-batch, plus summed diagnostics."""
   mask = batch['response_mask']
   logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature)
@@ -93,7 +98,7 @@ def loss_sum(params, ref_params, batch: dict, *, graphdef, cfg: grpo.GRPOConfig)
     ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature)
     ref_logp = jax.lax.stop_gradient(ref_logp)
   per_token = grpo.grpo_token_loss(logp, batch['behaviour_logprobs'], batch['advantages'],
-                                   entropy, ref_logp, cfg)
+                                   entropy, ref_logp, cfg, entropy_coef)
   ratio = jnp.exp(logp - batch['behaviour_logprobs'])
   stats = {
       'entropy': grpo.masked_sum(entropy, mask),
@@ -128,14 +133,15 @@ class AgentTrainer:
     ref_shardings = self.shardings if grpo_cfg.kl_coef else None
     self.version = 0
     self._grads = None
-    self._stats: dict[str, float] = {}
+    self._stats: list[dict] = []  # per micro-batch, on device until the step
+    self._tokens = 0
     self.batch_multiple = mesh.shape['data']
     batch_sharding = sharding.batch_sharding(mesh)
 
-    def accumulate(params, ref_params, batch, acc):
+    def accumulate(params, ref_params, batch, acc, entropy_coef):
       (loss, stats), grads = jax.value_and_grad(
           functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg), has_aux=True)(
-              params, ref_params, batch)
+              params, ref_params, batch, entropy_coef)
       return jax.tree.map(jnp.add, acc, grads), dict(stats, loss=loss)
 
     def apply(params, opt_state, acc, tokens):
@@ -144,8 +150,10 @@ class AgentTrainer:
       return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
 
     self._accumulate = jax.jit(
-        accumulate, in_shardings=(self.shardings, ref_shardings, batch_sharding, self.shardings),
+        accumulate, in_shardings=(self.shardings, ref_shardings, batch_sharding, self.shardings, None),
         out_shardings=(self.shardings, None), donate_argnums=3)
+    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                          out_shardings=self.shardings)
     self._apply = jax.jit(
         apply, in_shardings=(self.shardings, self.opt_shardings, self.shardings, None),
         out_shardings=(self.shardings, self.opt_shardings, None),
@@ -154,23 +162,24 @@ class AgentTrainer:
   def accumulate(self, batch: TrainBatch) -> None:
     """Add one micro-batch's gradient (of the token-summed loss) to the accumulator."""
     if self._grads is None:
-      self._grads = jax.tree.map(jnp.zeros_like, self.params)
-    self._grads, stats = self._accumulate(self.params, self.ref_params,
-                                          dataclasses.asdict(batch), self._grads)
-    for k, v in stats.items():
-      self._stats[k] = self._stats.get(k, 0.0) + v
-    self._stats['tokens'] = self._stats.get('tokens', 0) + batch.tokens
+      self._grads = self._zeros(self.params)
+    self._grads, stats = self._accumulate(
+        self.params, self.ref_params, dataclasses.asdict(batch), self._grads,
+        np.float32(grpo.entropy_coef_at(self.grpo_cfg, self.version)))
+    self._stats.append(stats)
+    self._tokens += batch.tokens
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
-    stats, tokens = self._stats, self._stats.get('tokens', 0)
+    tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self.params, self.opt_state, grad_norm = self._apply(
         self.params, self.opt_state, self._grads, np.float32(tokens))
-    self._grads, self._stats = None, {}
+    stats, grad_norm = jax.device_get((self._stats, grad_norm))
+    self._grads, self._stats, self._tokens = None, [], 0
     self.version += 1
-    out = {k: float(v) / tokens for k, v in stats.items() if k != 'tokens'}
+    out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
     return dict(out, grad_norm=float(grad_norm), trained_tokens=tokens)
 
   def train_state(self) -> dict:

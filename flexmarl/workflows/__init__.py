@@ -8,9 +8,11 @@ from flexmarl.config import ConfigError
 
 from flexmarl.workflows.base import Workflow
 from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant
+from flexmarl.workflows.single_task import SingleTask
 from flexmarl.workflows.solver_verifier import SolverVerifier
 
-WORKFLOWS = {'hierarchical_assistant': HierarchicalAssistant, 'solver_verifier': SolverVerifier}
+WORKFLOWS = {'hierarchical_assistant': HierarchicalAssistant, 'single_task': SingleTask,
+             'solver_verifier': SolverVerifier}
 
 
 def build_workflow(cfg: ml_collections.ConfigDict) -> Workflow:
@@ -19,7 +21,7 @@ def build_workflow(cfg: ml_collections.ConfigDict) -> Workflow:
   name = kwargs.pop('name')
   if name not in WORKFLOWS:
     raise ConfigError(f'config.workflow.name={name!r}: choose one of {sorted(WORKFLOWS)}, '
-                     'or pass a Workflow object to flexmarl.orchestrator.train.')
+                     'or pass a Workflow object to flexmarl.main.train(config, workdir, workflow).')
   try:
     return WORKFLOWS[name](**kwargs)
   except (TypeError, ValueError) as e:

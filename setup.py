@@ -1,0 +1,18 @@
+"""FlexMARL: rollout–training co-design for multi-agent LLM reinforcement learning, in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name='flexmarl',
+    version='0.1.0',
+    description='Train teams of LLM agents with RL in JAX: micro-batch pipeline, '
+                'experience store, load-balanced rollout, on-demand training meshes.',
+    packages=find_packages(include=['flexmarl', 'flexmarl.*']),
+    python_requires='>=3.11',
+    install_requires=[
+        'jax>=0.10', 'flax>=0.12.8', 'optax>=0.2.8', 'orbax-checkpoint>=0.12',
+        'tensorstore>=0.1.86', 'ml_collections>=1.1', 'absl-py>=2.1', 'tokenizers>=0.20',
+        'tensorboardX>=2.6', 'numpy>=1.26',
+    ],
+    extras_require={'test': ['pytest', 'nbclient', 'nbformat', 'ipykernel', 'matplotlib']},
+)

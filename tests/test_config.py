@@ -1,0 +1,77 @@
+"""Bad configs fail before any compilation, naming the field, the value and the fix."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import hierarchical_assistant
+from flexmarl.config import ConfigError
+from flexmarl.main import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fails(config, tmp_path, *needles):
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError) as err:
+    train(config, str(workdir), log=lambda *_: None)
+  for needle in needles:
+    assert needle in str(err.value), str(err.value)
+  assert not workdir.exists(), 'nothing may be written before the config is checked'
+
+
+def test_micro_batch_must_divide_global_batch(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.agents.adder.micro_batch = 32  # global 48
+  _fails(c, tmp_path, 'agents.adder.micro_batch', '32', 'divide global_batch=48', '[8, 16, 24, 48]')
+
+
+def test_micro_batch_must_not_split_groups(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.agents.adder.micro_batch = 12
+  _fails(c, tmp_path, 'agents.adder.micro_batch', 'group_size=8')
+
+
+def test_unknown_agent_in_workflow(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.workflow.specialists['reverse'] = 'flipper'
+  _fails(c, tmp_path, "agent 'flipper'", 'config.agents')
+
+
+def test_more_devices_than_exist(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.agents.router.mesh_shape = (4, 4)
+  _fails(c, tmp_path, 'mesh_shape', 'need 19 devices', 'available')
+
+
+def test_zero_sized_mesh(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.agents.router.mesh_shape = (0, 1)
+  _fails(c, tmp_path, 'agents.router.mesh_shape', '(0, 1)')
+
+
+def test_unknown_schedule_and_bad_numbers(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.schedule = 'fastest'
+  _fails(c, tmp_path, "schedule='fastest'", "'sync'")
+  c = hierarchical_assistant.get_config()
+  c.agents.sorter.sampling.temperature = 0.0
+  _fails(c, tmp_path, 'agents.sorter.sampling.temperature', 'must be > 0')
+  c = hierarchical_assistant.get_config()
+  c.workflow.specialists = {'add': 'adder', 'juggle': 'reverser'}
+  _fails(c, tmp_path, 'juggle', 'known families')
+
+
+@pytest.mark.parametrize('flag,needle', [
+    ('--config.no_such_field=1', 'no_such_field'),
+    ('--config.steps=many', 'steps'),
+])
+def test_command_line_overrides_are_checked(tmp_path, flag, needle):
+  out = subprocess.run(
+      [sys.executable, '-m', 'flexmarl.main', '--config=experiments/hierarchical_assistant.py',
+       f'--workdir={tmp_path}/run', flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert needle in out.stderr
+  assert not (tmp_path / 'run').exists()

@@ -1,0 +1,103 @@
+"""RolloutEngine: batching of concurrent workflows, turn records, workflow checks."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
+from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.workflows.base import Episode, Query
+
+TOK = build_char_tokenizer()
+
+
+class EchoSampler:
+  """Answers each prompt with its last character; records the batches it got."""
+
+  def __init__(self):
+    self.version, self.calls = 0, []
+
+  def generate(self, prompts, keys, params):
+    self.calls.append(len(prompts))
+    tokens = np.array([[p[-1], TOK.eos_id] for p in prompts], np.int32)
+    return SampleBatch(tokens, np.full(tokens.shape, -0.5, np.float32), np.full(len(prompts), 2))
+
+  def update_weights(self, state, version):
+    self.version = version
+
+
+class Fanout:
+  """a answers; two b branches then check it concurrently."""
+
+  def __init__(self, score_all=True, invent=False):
+    self.score_all, self.invent = score_all, invent
+
+  def agent_names(self):
+    return ['a', 'b']
+
+  def make_query(self, rng, query_id):
+    return Query(query_id, str(rng.integers(10)))
+
+  async def run(self, query, agents):
+    ep = Episode()
+    [ans] = await agents['a'].generate(query.prompt + '=', n=1)
+    ep.score(ans, 1.0, correct=ans.text == query.prompt[-1])
+    checks = await asyncio.gather(agents['b'].generate(ans.text + 'x'),
+                                  agents['b'].generate(ans.text + 'y'))
+    for group in checks:
+      for c in group[: None if self.score_all else 1]:
+        ep.score(c, 0.5)
+    if self.invent:
+      ep.rewards[f'{query.query_id}_9_0'] = 1.0
+    return ep
+
+
+def _engine():
+  samplers = {'a': EchoSampler(), 'b': EchoSampler()}
+  sp = SamplingParams(max_new_tokens=2)
+  return RolloutEngine(samplers, {'a': sp, 'b': sp}, {'a': 4, 'b': 3}, TOK, seed=0), samplers
+
+
+def _queries(n):
+  return [Query(f'q{i}', str(i % 10)) for i in range(n)]
+
+
+def test_concurrent_requests_are_batched_per_round_and_recorded():
+  engine, samplers = _engine()
+  results = engine.run(Fanout(), _queries(5))
+  # round 1: all five `a` requests in one batch; round 2: all ten `b` branches in one.
+  assert samplers['a'].calls == [5]
+  assert samplers['b'].calls == [5 * 2 * 3]
+  for res in results:
+    assert [t.turn for t in res.turns] == [0, 1, 2]
+    assert [t.agent for t in res.turns] == ['a', 'b', 'b']
+    assert res.turns[1].sample_ids == [f'{res.query.query_id}_1_{j}' for j in range(3)]
+    assert res.episode.rewards[f'{res.query.query_id}_0_0'] == 1.0
+    assert res.turns[0].tokens[0].tolist() == [TOK.encode('=')[-1], TOK.eos_id]
+
+
+def test_unscored_or_invented_samples_are_errors():
+  engine, _ = _engine()
+  with pytest.raises(ValueError, match='without a reward'):
+    engine.run(Fanout(score_all=False), _queries(2))
+  with pytest.raises(ValueError, match='never served'):
+    engine.run(Fanout(invent=True), _queries(2))
+
+
+def test_unknown_agent_is_an_error():
+  class Bad(Fanout):
+    async def run(self, query, agents):
+      return await agents['nobody'].generate('x')
+  engine, _ = _engine()
+  with pytest.raises(KeyError, match='nobody'):
+    engine.run(Bad(), _queries(1))
+
+
+def test_runs_inside_a_running_event_loop():
+  engine, _ = _engine()
+
+  async def from_a_notebook():
+    return engine.run(Fanout(), _queries(2))
+  assert len(asyncio.run(from_a_notebook())) == 2

@@ -1,0 +1,104 @@
+"""GRPO math on hand-computed values, and micro-batch accumulation = full batch."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexmarl.models import sharding
+from flexmarl.models.transformer import ModelConfig
+from flexmarl.train import grpo
+from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
+
+
+def test_group_advantages_by_hand():
+  adv = grpo.group_advantages(np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0]), 3)
+  # group 1: mean 1/3, std sqrt(2)/3; group 2: mean 5/3, std sqrt(2)/3
+  s = np.sqrt(2) / 3
+  np.testing.assert_allclose(adv, [(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s,
+                                   (-2 / 3) / s, (1 / 3) / s, (1 / 3) / s], rtol=1e-5)
+  np.testing.assert_allclose(grpo.group_advantages(np.array([3.0, 1.0]), 2, False), [1, -1])
+  np.testing.assert_allclose(grpo.group_advantages(np.ones(4), 4), 0.0)
+
+
+def test_clipped_token_loss_by_hand():
+  cfg = grpo.GRPOConfig(clip_eps=0.2)
+  behaviour = jnp.log(jnp.array([[0.5, 0.5]]))
+  new = jnp.log(jnp.array([[0.8, 0.4]]))  # ratios 1.6 and 0.8
+  ent = jnp.zeros((1, 2))
+  pos = grpo.grpo_token_loss(new, behaviour, jnp.array([2.0]), ent, None, cfg, 0.0)
+  # A>0: min(1.6*2, 1.2*2) = 2.4 ; min(0.8*2, 0.8*2) = 1.6
+  np.testing.assert_allclose(pos, [[-2.4, -1.6]], rtol=1e-6)
+  neg = grpo.grpo_token_loss(new, behaviour, jnp.array([-1.0]), ent, None, cfg, 0.0)
+  # A<0: min(-1.6, -1.2) = -1.6 ; min(-0.8, -0.8) = -0.8
+  np.testing.assert_allclose(neg, [[1.6, 0.8]], rtol=1e-6)
+
+
+def test_kl_k3_and_entropy_terms_by_hand():
+  cfg = grpo.GRPOConfig(kl_coef=0.5)
+  logp = jnp.log(jnp.array([[0.5]]))
+  ref = jnp.log(jnp.array([[0.25]]))
+  loss = grpo.grpo_token_loss(logp, logp, jnp.array([0.0]), jnp.array([[2.0]]), ref, cfg, 0.1)
+  k3 = 0.5 - np.log(0.5) - 1.0  # r = ref/p = 0.5
+  np.testing.assert_allclose(loss, [[-0.1 * 2.0 + 0.5 * k3]], rtol=1e-6)
+
+
+def test_entropy_bonus_anneals_linearly():
+  cfg = grpo.GRPOConfig(entropy_coef=0.1, entropy_decay_steps=100)
+  assert [grpo.entropy_coef_at(cfg, v) for v in (0, 50, 100, 400)] == [0.1, 0.05, 0.0, 0.0]
+  assert grpo.entropy_coef_at(grpo.GRPOConfig(entropy_coef=0.1), 10**6) == 0.1
+
+
+def test_token_logprobs_and_entropy():
+  logits = jnp.array([[[0.0, np.log(3.0)]]])  # p = [0.25, 0.75]
+  logp, ent = grpo.token_logprobs(logits, jnp.array([[1]]))
+  np.testing.assert_allclose(logp, [[np.log(0.75)]], rtol=1e-6)
+  np.testing.assert_allclose(ent, [[-(0.25 * np.log(0.25) + 0.75 * np.log(0.75))]], rtol=1e-6)
+
+
+def _batch(rng, rows, prompt_len=5, resp_len=4, vocab=20):
+  prompts = [list(rng.integers(3, vocab, size=rng.integers(2, prompt_len + 1))) for _ in range(rows)]
+  lengths = rng.integers(1, resp_len + 1, size=rows)
+  responses = [rng.integers(3, vocab, size=n) for n in lengths]
+  logprobs = [np.log(rng.uniform(0.05, 0.9, size=n)).astype(np.float32) for n in lengths]
+  adv = rng.normal(size=rows).astype(np.float32)
+  return prompts, responses, logprobs, adv
+
+
+def _trainer(mesh_devices, mesh_shape):
+  mesh = sharding.make_mesh(mesh_devices, mesh_shape)
+  return AgentTrainer('a', ModelConfig(vocab_size=20), OptimizerConfig(learning_rate=1e-2),
+                      grpo.GRPOConfig(entropy_coef=0.1, kl_coef=0.05), mesh, seed=3)
+
+
+def test_micro_batches_give_the_full_batch_update():
+  rng = np.random.default_rng(0)
+  prompts, responses, logprobs, adv = _batch(rng, 8)
+  kw = dict(prompt_len=5, response_len=4, pad_id=0)
+  full, micro = _trainer(jax.devices()[:1], (1, 1)), _trainer(jax.devices()[1:2], (1, 1))
+  full.accumulate(TrainBatch.from_rows(prompts, responses, logprobs, adv, **kw))
+  for s in (slice(0, 2), slice(2, 5), slice(5, 8)):  # uneven micro-batches
+    micro.accumulate(TrainBatch.from_rows(prompts[s], responses[s], logprobs[s], adv[s], **kw))
+  a, b = full.apply(), micro.apply()
+  assert a['trained_tokens'] == b['trained_tokens'] == sum(map(len, responses))
+  np.testing.assert_allclose(a['loss'], b['loss'], rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(full.params), jax.tree.leaves(micro.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+  assert full.version == micro.version == 1
+
+
+def test_sharded_trainer_matches_single_device():
+  rng = np.random.default_rng(1)
+  prompts, responses, logprobs, adv = _batch(rng, 8)
+  kw = dict(prompt_len=5, response_len=4, pad_id=0)
+  one, mesh = _trainer(jax.devices()[:1], (1, 1)), _trainer(jax.devices()[4:8], (2, 2))
+  for t in (one, mesh):
+    t.accumulate(TrainBatch.from_rows(prompts, responses, logprobs, adv, **kw,
+                                      batch_multiple=t.batch_multiple))
+    t.apply()
+  for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  gate = mesh.params['blocks'][0]['mlp']['gate']
+  assert gate.sharding.spec == jax.sharding.PartitionSpec(None, 'model')
+  assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}
