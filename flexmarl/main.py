@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
@@ -56,6 +56,8 @@ def format_summary(summary: dict) -> str:
 
 def main(argv):
   del argv
+  if not flags.FLAGS['verbosity'].present:  # keep library INFO logs out of the progress lines
+    logging.set_verbosity(logging.WARNING)
   train(_CONFIG.value, _WORKDIR.value)
 
 

@@ -32,7 +32,7 @@ from flexmarl.metrics.writer import TEAM, MetricsWriter, read_metrics
 from flexmarl.models import sharding
 from flexmarl.rollout.engine import EpisodeResult, RolloutEngine, Turn
 from flexmarl.rollout.sampler import EmbeddedSampler
-from flexmarl.tokenizer import CharTokenizer
+from flexmarl.tokenizer import TextTokenizer
 from flexmarl.train import grpo
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.trainer import AgentTrainer, TrainBatch
@@ -114,7 +114,7 @@ def device_slices(spec: TeamSpec, devices: Sequence[jax.Device]) -> dict[str, li
 
 class JointOrchestrator:
 
-  def __init__(self, spec: TeamSpec, workflow: Workflow, tokenizer: CharTokenizer,
+  def __init__(self, spec: TeamSpec, workflow: Workflow, tokenizer: TextTokenizer,
                workdir: str, devices: Sequence[jax.Device] | None = None):
     self.spec, self.workflow, self.tokenizer, self.workdir = spec, workflow, tokenizer, workdir
     slices = device_slices(spec, devices or jax.devices())
@@ -262,7 +262,8 @@ class JointOrchestrator:
         lines = self.run_step()
         for agent, values in lines.items():
           writer.write(self.step, agent, values)
-        log(format_step(self.step, self.spec.steps, lines))
+        if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
+          log(format_step(self.step, self.spec.steps, lines))
         if self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps:
           self.save()
     finally:

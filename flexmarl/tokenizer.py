@@ -1,11 +1,13 @@
 """Tokenizers in the HF `tokenizers` format.
 
 The built-in tasks use a character-level tokenizer that the package builds itself
-(no download); any HF tokenizer folder or `tokenizer.json` works for real models.
+(no download); any HF tokenizer folder or `tokenizer.json` works for real models,
+its special tokens read from `tokenizer_config.json` when the folder has one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import string
 
@@ -16,22 +18,31 @@ PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
 DEFAULT_CHARS = string.digits + string.ascii_lowercase + ' +-*=?:>|<,.'
 
 
-class CharTokenizer:
-  """Thin wrapper over an HF `Tokenizer` with the ids the sampler and trainer need."""
+class TextTokenizer:
+  """Thin wrapper over an HF `Tokenizer` with the ids the sampler and trainer need.
 
-  def __init__(self, tokenizer: Tokenizer):
+  `bos` may be None (Qwen2 has none): prompts then start with their first token;
+  `pad` defaults to `eos`, as in most HF causal LMs.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, *, eos: str = EOS, bos: str | None = BOS,
+               pad: str | None = PAD):
     self.hf = tokenizer
     vocab = tokenizer.get_vocab()
-    for special in (PAD, BOS, EOS):
-      if special not in vocab:
-        raise ValueError(f'tokenizer has no {special!r} token; FlexMARL needs '
-                         f'{PAD!r}, {BOS!r} and {EOS!r} in its vocabulary.')
-    self.pad_id, self.bos_id, self.eos_id = vocab[PAD], vocab[BOS], vocab[EOS]
+    for role, special in (('eos', eos), ('bos', bos), ('pad', pad)):
+      if special is not None and special not in vocab:
+        raise ValueError(f'tokenizer has no {role} token {special!r}; name it in '
+                         f'tokenizer_config.json ("{role}_token") or add it to the vocabulary.')
+    self.specials = {'eos_token': eos, 'bos_token': bos, 'pad_token': pad}
+    self.eos_id = vocab[eos]
+    self.bos_id = vocab[bos] if bos is not None else None
+    self.pad_id = vocab[pad] if pad is not None else self.eos_id
     self.vocab_size = tokenizer.get_vocab_size()
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, with BOS in front (prompts start with it)."""
-    return [self.bos_id] + self.hf.encode(text, add_special_tokens=False).ids
+    """Token ids of `text`, with BOS in front when the tokenizer has one."""
+    ids = self.hf.encode(text, add_special_tokens=False).ids
+    return ids if self.bos_id is None else [self.bos_id] + ids
 
   def decode(self, ids) -> str:
     """Text of response ids, stopping at EOS and skipping padding."""
@@ -48,27 +59,42 @@ class CharTokenizer:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, 'tokenizer.json')
     self.hf.save(path)
+    with open(os.path.join(folder, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
+      json.dump(self.specials, f, indent=2)
     return path
 
 
-def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> CharTokenizer:
+def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   """A character-level tokenizer: one token per character, specials first."""
   vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *chars])}
   tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
   tok.pre_tokenizer = pre_tokenizers.Split(pattern='', behavior='isolated')
   tok.decoder = decoders.Fuse()
   tok.add_special_tokens([PAD, BOS, EOS])
-  return CharTokenizer(tok)
+  return TextTokenizer(tok)
 
 
-def load_tokenizer(path: str) -> CharTokenizer:
-  """`path`: 'char' for the built-in one, a tokenizer.json, or a folder holding one."""
+def _special(value) -> str | None:
+  """tokenizer_config.json holds a special token as a string or {"content": ...}."""
+  return value.get('content') if isinstance(value, dict) else value
+
+
+def load_tokenizer(path: str) -> TextTokenizer:
+  """`path`: 'char' for the built-in one, a tokenizer.json, or an HF tokenizer folder."""
   if path == 'char':
     return build_char_tokenizer()
-  if os.path.isdir(path):
-    path = os.path.join(path, 'tokenizer.json')
-  if not os.path.exists(path):
+  folder, file = (path, os.path.join(path, 'tokenizer.json')) if os.path.isdir(path) else (
+      os.path.dirname(path), path)
+  if not os.path.exists(file):
     raise FileNotFoundError(
-        f'tokenizer={path!r} does not exist: give "char" for the built-in '
-        'character tokenizer, or a folder / tokenizer.json in the HF format.')
-  return CharTokenizer(Tokenizer.from_file(path))
+        f'config.tokenizer={path!r}: no tokenizer.json there; give "char" for the built-in '
+        'character tokenizer, or an HF tokenizer folder / tokenizer.json.')
+  specials = {'eos': EOS, 'bos': BOS, 'pad': PAD}
+  config_file = os.path.join(folder, 'tokenizer_config.json')
+  if os.path.exists(config_file):
+    with open(config_file, encoding='utf-8') as f:
+      cfg = json.load(f)
+    specials = {role: _special(cfg.get(f'{role}_token')) for role in specials}
+    if specials['eos'] is None:
+      raise ValueError(f'{config_file} names no eos_token; generation needs one to stop.')
+  return TextTokenizer(Tokenizer.from_file(file), **specials)

@@ -80,11 +80,17 @@ def test_micro_batches_give_the_full_batch_update():
   full.accumulate(TrainBatch.from_rows(prompts, responses, logprobs, adv, **kw))
   for s in (slice(0, 2), slice(2, 5), slice(5, 8)):  # uneven micro-batches
     micro.accumulate(TrainBatch.from_rows(prompts[s], responses[s], logprobs[s], adv[s], **kw))
+  # The accumulated gradients agree up to float reduction order ...
+  for x, y in zip(jax.tree.leaves(full._grads), jax.tree.leaves(micro._grads)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
   a, b = full.apply(), micro.apply()
   assert a['trained_tokens'] == b['trained_tokens'] == sum(map(len, responses))
   np.testing.assert_allclose(a['loss'], b['loss'], rtol=1e-5)
+  np.testing.assert_allclose(a['grad_norm'], b['grad_norm'], rtol=1e-5)
+  # ... and so do the parameters after Adam's first step (which moves each one by
+  # about ±lr, sign-like, so near-zero gradients may round differently).
   for x, y in zip(jax.tree.leaves(full.params), jax.tree.leaves(micro.params)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)
   assert full.version == micro.version == 1
 
 
@@ -98,7 +104,7 @@ def test_sharded_trainer_matches_single_device():
                                       batch_multiple=t.batch_multiple))
     t.apply()
   for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)  # 1% of an lr step
   gate = mesh.params['blocks'][0]['mlp']['gate']
   assert gate.sharding.spec == jax.sharding.PartitionSpec(None, 'model')
   assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}

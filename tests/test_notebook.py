@@ -32,7 +32,7 @@ def test_quickstart_notebook_trains_the_solver(tmp_path, monkeypatch):
             if l['agent'] == 'solver']
   assert len(solver) >= 20, f'expected a run of 20+ steps, got {len(solver)}'
   first, last = float(np.mean(solver[:10])), float(np.mean(solver[-10:]))
-  assert last > first, f'solver reward did not improve: first 10 steps {first:.3f}, last 10 {last:.3f}'
+  assert last > first + 0.2, f'solver reward did not improve: first 10 steps {first:.3f}, last 10 {last:.3f}'
 
   # The notebook's own summary agrees with the metrics it plotted.
   with open(os.path.join(tmp_path, 'quickstart_summary.json'), encoding='utf-8') as f:

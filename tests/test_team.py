@@ -22,13 +22,15 @@ def two_agent_config(steps: int) -> ml_collections.ConfigDict:
   c.max_prompt_len, c.checkpoint_every = 8, 5
   c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier', family='add',
                     task_args={'max_operand': 2})
-  c.rollout = dict(queries_per_wave=6, max_waves=2)
+  # One wave a step: the verifier (96 rows a wave, batch 64) trains every step; the
+  # solver (48 rows a wave, batch 64) every other step, carrying rows over in between.
+  c.rollout = dict(queries_per_wave=6, max_waves=1)
   grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=0,
               normalize_std=True)
   c.agents = dict(
-      solver=agent_config('tiny', group_size=8, global_batch=48, micro_batch=16,
+      solver=agent_config('tiny', group_size=8, global_batch=64, micro_batch=16,
                           sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2), grpo=grpo),
-      verifier=agent_config('tiny', group_size=2, global_batch=96, micro_batch=32,
+      verifier=agent_config('tiny', group_size=2, global_batch=64, micro_batch=32,
                             sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2),
                             grpo=grpo))
   return c
@@ -37,7 +39,7 @@ def two_agent_config(steps: int) -> ml_collections.ConfigDict:
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('team'))
-  summary = train(two_agent_config(steps=40), workdir, log=lambda *_: None)
+  summary = train(two_agent_config(steps=60), workdir, log=lambda *_: None)
   return workdir, summary
 
 
@@ -56,17 +58,20 @@ def test_workdir_contract(run):
   for l in lines:
     assert REQUIRED <= set(l), set(l)
   steps = sorted({l['step'] for l in lines})
-  assert steps == list(range(1, 41))
+  assert steps == list(range(1, 61))
   # versions count the agent's own updates: +1 for each step it updated
   solver = [l for l in lines if l['agent'] == 'solver']
   assert [l['policy_version'] for l in solver] == list(
       np.cumsum([0] + [l['updated'] for l in solver[:-1]]))
+  assert [l['updated'] for l in solver[:4]] == [0, 1, 0, 1]  # 48 rows, 96 → 64 (+32 dropped)
+  assert [l['rows'] for l in solver[:4]] == [48, 64, 48, 64]
+  assert all(l['updated'] for l in lines if l['agent'] == 'verifier')
   with open(os.path.join(workdir, 'summary.json')) as f:
     assert json.load(f) == json.loads(json.dumps(summary))
   assert set(summary['agents']) == {'solver', 'verifier'}
   assert summary['tokens_per_s'] > 0
   for agent in ('solver', 'verifier'):
     ckpts = os.listdir(os.path.join(workdir, 'checkpoints', agent))
-    assert '40' in ckpts, ckpts
+    assert '60' in ckpts, ckpts
   events = os.listdir(os.path.join(workdir, 'tensorboard'))
   assert any(e.startswith('events.out.tfevents') for e in events)

@@ -179,17 +179,19 @@ class Decoder(nnx.Module):
                             cfg.hidden ** -0.5, dt)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
-               cache: KVCache | None = None, write_index: jax.Array | int = 0
-               ) -> tuple[jax.Array, KVCache | None]:
+               cache: KVCache | None = None, write_index: jax.Array | int = 0,
+               last: int | None = None) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: [B, L]; kv_mask: [B, S] marks real (non-pad) key slots,
-    S = L without a cache, the cache length with one. Returns fp32 logits [B, L, V]."""
+    S = L without a cache, the cache length with one. Returns fp32 logits [B, L, V],
+    or only those of the `last` positions (the LM head is costly; callers often need
+    a few)."""
     x = self.embed[...][tokens]
     new_cache = [] if cache is not None else None
     for i, block in enumerate(self.blocks):
       x, layer_cache = block(x, positions, kv_mask, None if cache is None else cache[i], write_index)
       if cache is not None:
         new_cache.append(layer_cache)
-    x = self.norm(x)
+    x = self.norm(x if last is None else x[:, -last:])
     head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     return (x @ head).astype(jnp.float32), new_cache
 

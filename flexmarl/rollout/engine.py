@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from flexmarl.rollout.sampler import Sampler, SamplingParams, sample_key
-from flexmarl.tokenizer import CharTokenizer
+from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 
 
@@ -91,12 +91,15 @@ class RolloutEngine:
   """Serves workflow requests from one sampler per agent."""
 
   def __init__(self, samplers: Mapping[str, Sampler], sampling: Mapping[str, SamplingParams],
-               group_sizes: Mapping[str, int], tokenizer: CharTokenizer, seed: int):
+               group_sizes: Mapping[str, int], tokenizer: TextTokenizer, seed: int):
     self.samplers = dict(samplers)
     self.sampling = dict(sampling)
     self.group_sizes = dict(group_sizes)
     self.tokenizer = tokenizer
     self.seed = seed
+    # One private loop for every rollout: a fresh loop per wave (asyncio.run) costs
+    # more than a small model's whole generation step.
+    self._loop = asyncio.new_event_loop()
 
   def run(self, workflow: Workflow, queries: Sequence[Query], first_index: int = 0
           ) -> list[EpisodeResult]:
@@ -105,12 +108,13 @@ class RolloutEngine:
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
+    run = lambda: self._loop.run_until_complete(self._run(workflow, queries, first_index))
     try:
       asyncio.get_running_loop()
     except RuntimeError:
-      return asyncio.run(self._run(workflow, queries, first_index))
+      return run()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      return pool.submit(asyncio.run, self._run(workflow, queries, first_index)).result()
+      return pool.submit(run).result()
 
   async def _run(self, workflow: Workflow, queries: Sequence[Query], first_index: int):
     pending: list[_Request] = []

@@ -95,8 +95,10 @@ def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 
 def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
                     prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array,
-                    top_p: jax.Array, *, max_new_tokens: int, eos_id: int, pad_id: int):
-  """Pure sampling loop: prefill the prompt, then decode `max_new_tokens` steps.
+                    top_p: jax.Array, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                    use_top_p: bool):
+  """Pure sampling loop: prefill the prompt, then decode until every row has drawn
+  EOS or `max_new_tokens` tokens.
 
   Returns tokens [B, T], logprobs [B, T] of the sampled tokens under the
   temperature-scaled distribution, and lengths [B].
@@ -107,28 +109,34 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
   cache = transformer.init_cache(cfg, batch, prompt_len + max_new_tokens)
   kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, max_new_tokens), bool)], 1)
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-  logits, cache = model(prompts, positions, kv_mask, cache, 0)
-  next_pos = positions[:, -1] + 1
+  logits, cache = model(prompts, positions, kv_mask, cache, 0, last=1)
 
-  def step(carry, t):
-    logits, cache, kv_mask, pos, done = carry
+  def step(carry):
+    t, logits, cache, kv_mask, pos, done, lengths, tokens, logprobs = carry
     scaled = logits / temperature
-    filtered = _filter_top_p(scaled, top_p)
+    filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
     step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
     token = jax.vmap(jax.random.categorical)(step_keys, filtered)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], 1)[:, 0]
     token = jnp.where(done, pad_id, token)
-    logprob = jnp.where(done, 0.0, logprob)
+    tokens = tokens.at[:, t].set(token)
+    logprobs = logprobs.at[:, t].set(jnp.where(done, 0.0, logprob))
     slot = prompt_len + t
     kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, (~done)[:, None], slot, 1)
     new_logits, cache = model(token[:, None], pos[:, None], kv_mask, cache, slot)
-    emitted = ~done
+    lengths = lengths + (~done)
     done = done | (token == eos_id)
-    return (new_logits[:, 0], cache, kv_mask, pos + 1, done), (token, logprob, emitted)
+    return t + 1, new_logits[:, 0], cache, kv_mask, pos + 1, done, lengths, tokens, logprobs
 
-  init = (logits[:, -1], cache, kv_mask, next_pos, jnp.zeros((batch,), bool))
-  _, (tokens, logprobs, emitted) = jax.lax.scan(step, init, jnp.arange(max_new_tokens))
-  return tokens.T, logprobs.T, emitted.sum(0)
+  def not_finished(carry):
+    t, *_, done, _, _, _ = carry
+    return (t < max_new_tokens) & ~jnp.all(done)
+
+  init = (0, logits[:, 0], cache, kv_mask, positions[:, -1] + 1, jnp.zeros((batch,), bool),
+          jnp.zeros((batch,), jnp.int32), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+          jnp.zeros((batch, max_new_tokens), jnp.float32))
+  *_, lengths, tokens, logprobs = jax.lax.while_loop(not_finished, step, init)
+  return tokens, logprobs, lengths
 
 
 class EmbeddedSampler:
@@ -148,7 +156,7 @@ class EmbeddedSampler:
     self.batch_multiple = batch_multiple
     self._generate = jax.jit(
         functools.partial(generate_tokens, graphdef),
-        static_argnames=('max_new_tokens', 'eos_id', 'pad_id'))
+        static_argnames=('max_new_tokens', 'eos_id', 'pad_id', 'use_top_p'))
 
   def update_weights(self, state: nnx.State, version: int) -> None:
     """Serve new weights in place; JAX arrays are immutable, so no copy is needed."""
@@ -166,6 +174,6 @@ class EmbeddedSampler:
     tokens, logprobs, lengths = self._generate(
         self.state, ids, mask, all_keys, np.float32(params.temperature),
         np.float32(params.top_p), max_new_tokens=params.max_new_tokens,
-        eos_id=self.eos_id, pad_id=self.pad_id)
+        eos_id=self.eos_id, pad_id=self.pad_id, use_top_p=params.top_p < 1.0)
     tokens, logprobs, lengths = jax.device_get((tokens, logprobs, lengths))
     return SampleBatch(tokens[:n], logprobs[:n], lengths[:n])

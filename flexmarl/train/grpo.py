@@ -55,7 +55,9 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
                    ) -> tuple[jax.Array, jax.Array]:
   """Logprob of each target token and the entropy of each position's distribution."""
   logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-  picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  # A one-hot contraction, not a gather: its gradient is dense, where a gather's is a
+  # scatter-add, which is slow on CPU.
+  picked = jnp.sum(logp * jax.nn.one_hot(targets, logp.shape[-1], dtype=logp.dtype), axis=-1)
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
   return picked, entropy
 

@@ -59,9 +59,16 @@ class TrainBatch:
   def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
                 logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
                 response_len: int, pad_id: int, batch_multiple: int = 1) -> 'TrainBatch':
-    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out)."""
+    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
+
+    Prompt and response widths shrink to the longest row, rounded up to a multiple of
+    4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
+    the few distinct widths compile once each.
+    """
     n = len(prompts)
     size = bucket(n, batch_multiple)
+    prompt_len = min(prompt_len, _round_up(max(map(len, prompts)), 4))
+    response_len = min(response_len, _round_up(max(map(len, responses)), 4))
     ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
     resp = np.full((size, response_len), pad_id, np.int32)
     rmask = np.zeros((size, response_len), bool)
@@ -77,15 +84,20 @@ class TrainBatch:
     return int(self.response_mask.sum())
 
 
+def _round_up(n: int, multiple: int) -> int:
+  return max(multiple, -(-n // multiple) * multiple)
+
+
 def response_logprobs(graphdef, params, batch: dict, temperature: float):
   """Logprobs and entropies of the response tokens under `params`: [B, T] each."""
   model = nnx.merge(graphdef, params)
-  prompt_len = batch['prompts'].shape[1]
+  response_len = batch['responses'].shape[1]
   tokens = jnp.concatenate([batch['prompts'], batch['responses']], 1)
   valid = jnp.concatenate([batch['prompt_mask'], batch['response_mask']], 1)
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  logits, _ = model(tokens, positions, valid)
-  resp_logits = logits[:, prompt_len - 1:-1]
+  # The logits that predict the response: from the last prompt position on.
+  logits, _ = model(tokens, positions, valid, last=response_len + 1)
+  resp_logits = logits[:, :-1]
   return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
 
 
@@ -147,7 +159,7 @@ class AgentTrainer:
     def apply(params, opt_state, acc, tokens):
       grads = jax.tree.map(lambda g: g / tokens, acc)
       updates, opt_state = self.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     self._accumulate = jax.jit(
         accumulate, in_shardings=(self.shardings, ref_shardings, batch_sharding, self.shardings, None),
