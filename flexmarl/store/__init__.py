@@ -1,0 +1,1 @@
+"""Experience storage: per-agent tables of sampled turns, shared by rollout and training."""
