@@ -18,7 +18,7 @@ from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train.grpo import GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
-SCHEDULES = ('sync',)
+SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')
 
 
 class ConfigError(ValueError):
@@ -131,7 +131,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devi
                     workflow_agents: Sequence[str]) -> TeamSpec:
   """Check the whole config; raise ConfigError on the first bad field."""
   if config.schedule not in SCHEDULES:
-    _fail('schedule', config.schedule, f'choose one of {list(SCHEDULES)}.')
+    _fail('schedule', config.schedule, f'choose one of {list(SCHEDULES)} (async:k, bounded '
+          'staleness, is not available yet).')
   if config.steps < 1:
     _fail('steps', config.steps, 'must be >= 1.')
   if config.max_prompt_len < 2:

@@ -45,10 +45,10 @@ def train(config, workdir: str, workflow=None, log=print) -> dict:
 
 
 def format_summary(summary: dict) -> str:
-  rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22}"]
+  rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22} {'updates':>8}"]
   for name, s in summary['agents'].items():
     rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
-                f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f}")
+                f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8}")
   rows.append(f"{summary['steps']} steps in {summary['wall_s']:.0f}s, "
               f"{summary['tokens_per_s']:.0f} generated tokens/s")
   return '\n'.join(rows)

@@ -11,12 +11,22 @@ surplus: they belong to the old version). An agent whose batch is not full keeps
 its rows for the next step; it has not changed version, so they stay on-policy.
 No agent waits on another's batch, and a cold agent never stalls the team.
 
+The other schedules give the same numbers and differ only in *when* work runs:
+- `sync_parallel`: after the rollout, the full agents train at the same time.
+- `flexmarl`: the micro-batch pipeline. Each agent's batch is built as its groups
+  arrive, wave by wave; a micro-batch's gradient is dispatched as soon as it is
+  complete, and runs on the agent's devices while the rollout goes on. Only the
+  last micro-batch and the optimizer step wait for the end of the rollout. Batches
+  and micro-batches are cut exactly as under `sync`, and accumulated in the same
+  order, so the parameters are the same.
+
 Data moves forward only: workflow → RolloutEngine → groups → AgentTrainer →
 weights back to the sampler. Nothing but this class changes a version.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -81,14 +91,39 @@ def group_from_json(d: dict) -> Group:
   return Group(turn, np.asarray(d['rewards'], np.float32), np.asarray(d['correct'], np.float32))
 
 
-def take_batch(groups: Sequence[Group], global_batch: int) -> tuple[list[Group], int]:
-  """The first whole groups that fill `global_batch` rows; and the surplus row count."""
-  kept, rows = [], 0
-  for g in groups:
-    if rows + g.size <= global_batch:
-      kept.append(g)
-      rows += g.size
-  return kept, sum(g.size for g in groups) - rows
+class BatchBuilder:
+  """One agent's global batch at its current version, built group by group.
+
+  Groups arrive in (query, turn) order. A group is kept while it fits in
+  `global_batch` rows, else counted as surplus; the batch is full once the rows
+  offered reach `global_batch`. Kept groups are cut into micro-batches of
+  `micro_groups` groups, in order: the cut never depends on when groups arrived.
+  """
+
+  def __init__(self, global_batch: int, micro_groups: int):
+    self.global_batch, self.micro_groups = global_batch, micro_groups
+    self.kept: list[Group] = []
+    self.kept_rows = self.surplus_rows = 0
+    self.cut = 0  # kept groups already handed out in micro-batches
+
+  def add(self, group: Group) -> None:
+    if self.kept_rows + group.size <= self.global_batch:
+      self.kept.append(group)
+      self.kept_rows += group.size
+    else:
+      self.surplus_rows += group.size
+
+  @property
+  def full(self) -> bool:
+    return self.kept_rows + self.surplus_rows >= self.global_batch
+
+  def micro_batches(self, final: bool = False) -> list[list[Group]]:
+    """The micro-batches completed since the last call (with `final`, the remainder too)."""
+    out = []
+    while len(self.kept) - self.cut >= self.micro_groups or (final and self.cut < len(self.kept)):
+      out.append(self.kept[self.cut:self.cut + self.micro_groups])
+      self.cut += len(out[-1])
+    return out
 
 
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
@@ -133,8 +168,8 @@ class JointOrchestrator:
     self.checkpointers = {n: AgentCheckpointer(workdir, n) for n in spec.agents}
     self.step = 0
     self.next_query = 0
-    # Rows served at each agent's current version, not yet trained on.
-    self.buffers: dict[str, list[Group]] = {n: [] for n in spec.agents}
+    # Each agent's batch at its current version: rows served, not yet trained on.
+    self.builders = {n: self._new_builder(n) for n in spec.agents}
 
   # -- versions and persistence -------------------------------------------------------
 
@@ -154,7 +189,8 @@ class JointOrchestrator:
       self.trainers[name].load_train_state(state, meta['version'])
       self.publish(name)
       self.next_query = meta['next_query']
-      self.buffers[name] = [group_from_json(g) for g in meta['buffer']]
+      for g in meta['buffer']:
+        self.builders[name].add(group_from_json(g))
     self.step = step
     return step
 
@@ -164,7 +200,7 @@ class JointOrchestrator:
       trainer = self.trainers[name]
       ckpt.save(self.step, trainer.train_state(),
                 dict(meta, version=trainer.version,
-                     buffer=[group_to_json(g) for g in self.buffers[name]]))
+                     buffer=[group_to_json(g) for g in self.builders[name].kept]))
 
   # -- one step -----------------------------------------------------------------------
 
@@ -175,72 +211,85 @@ class JointOrchestrator:
     self.next_query += count
     return out
 
-  def rollout(self) -> tuple[int, dict[str, int]]:
-    """Serve waves of queries into the buffers until all are full.
+  def _new_builder(self, name: str) -> BatchBuilder:
+    a = self.spec.agents[name]
+    return BatchBuilder(a.global_batch, a.micro_batch // a.group_size)
 
-    Returns the number of queries and the response tokens served per agent."""
+  def rollout(self) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Serve waves of queries into the batches until all are full.
+
+    Under `flexmarl`, each micro-batch completed by a wave is accumulated at once.
+    Returns the number of queries, and per agent the response tokens served and the
+    micro-batches accumulated while the rollout was still going on."""
     queries, tokens = 0, {n: 0 for n in self.spec.agents}
+    early = {n: 0 for n in self.spec.agents}
     for _ in range(self.spec.max_waves):
       first = self.next_query
       batch = self.queries(self.spec.queries_per_wave)
       results = self.engine.run(self.workflow, batch, first)
       queries += len(batch)
       for name, gs in collect_groups(results, list(self.spec.agents)).items():
-        self.buffers[name].extend(gs)
+        for g in gs:
+          self.builders[name].add(g)
         tokens[name] += sum(len(t) for g in gs for t in g.turn.tokens)
-      if all(self._buffered(n) >= a.global_batch for n, a in self.spec.agents.items()):
+        if self.spec.schedule == 'flexmarl':
+          for micro in self.builders[name].micro_batches():
+            self.accumulate(name, micro)  # dispatched; runs while the rollout goes on
+            early[name] += 1
+      if all(b.full for b in self.builders.values()):
         break
-    return queries, tokens
+    return queries, tokens, early
 
-  def _buffered(self, name: str) -> int:
-    return sum(g.size for g in self.buffers[name])
-
-  def train_agent(self, name: str, groups: Sequence[Group]) -> dict[str, float]:
-    """Accumulate the agent's micro-batches, then one optimizer step; publish."""
+  def accumulate(self, name: str, micro: Sequence[Group]) -> None:
+    """Add one micro-batch's gradient to the agent's accumulator."""
     a: AgentSpec = self.spec.agents[name]
     trainer = self.trainers[name]
-    for start in range(0, len(groups), a.micro_batch // a.group_size):
-      micro = groups[start:start + a.micro_batch // a.group_size]
-      adv = np.concatenate([grpo.group_advantages(g.rewards, g.size, a.grpo.normalize_std)
-                            for g in micro])
-      batch = TrainBatch.from_rows(
-          [g.turn.prompt_ids for g in micro for _ in range(g.size)],
-          [t for g in micro for t in g.turn.tokens],
-          [lp for g in micro for lp in g.turn.logprobs], adv,
-          prompt_len=self.spec.max_prompt_len, response_len=a.sampling.max_new_tokens,
-          pad_id=self.tokenizer.pad_id, batch_multiple=trainer.batch_multiple)
-      trainer.accumulate(batch)
-    stats = trainer.apply()
+    adv = np.concatenate([grpo.group_advantages(g.rewards, g.size, a.grpo.normalize_std)
+                          for g in micro])
+    trainer.accumulate(TrainBatch.from_rows(
+        [g.turn.prompt_ids for g in micro for _ in range(g.size)],
+        [t for g in micro for t in g.turn.tokens],
+        [lp for g in micro for lp in g.turn.logprobs], adv,
+        prompt_len=self.spec.max_prompt_len, response_len=a.sampling.max_new_tokens,
+        pad_id=self.tokenizer.pad_id, batch_multiple=trainer.batch_multiple))
+
+  def train_agent(self, name: str) -> dict[str, float]:
+    """Accumulate the micro-batches not yet accumulated, one optimizer step, publish."""
+    t0 = time.perf_counter()
+    for micro in self.builders[name].micro_batches(final=True):
+      self.accumulate(name, micro)
+    stats = self.trainers[name].apply()
     self.publish(name)
-    return stats
+    return dict(stats, train_s=time.perf_counter() - t0)
 
   def run_step(self) -> dict[str, dict[str, float]]:
-    """One `sync` step: roll out, then train the full agents one after another."""
+    """One step: roll out, then train the agents whose batch is full."""
     t0 = time.perf_counter()
     versions = {n: t.version for n, t in self.trainers.items()}
-    queries, served = self.rollout()
+    queries, served, early = self.rollout()
     rollout_s = time.perf_counter() - t0
+    full = [n for n, b in self.builders.items() if b.full]
+    if self.spec.schedule == 'sync_parallel':
+      with concurrent.futures.ThreadPoolExecutor(max(1, len(full))) as pool:
+        stats = dict(zip(full, pool.map(self.train_agent, full)))
+    else:
+      stats = {name: self.train_agent(name) for name in full}
     lines: dict[str, dict[str, float]] = {}
-    for name, a in self.spec.agents.items():
-      tokens = served[name]
-      if self._buffered(name) < a.global_batch:
-        lines[name] = dict(batch_stats(self.buffers[name]), policy_version=versions[name],
-                           tokens=tokens, updated=0, rows=self._buffered(name))
-        continue
-      kept, surplus = take_batch(self.buffers[name], a.global_batch)
-      self.buffers[name] = []
-      t1 = time.perf_counter()
-      stats = self.train_agent(name, kept)
-      lines[name] = dict(batch_stats(kept), policy_version=versions[name], tokens=tokens,
-                         updated=1, rows=a.global_batch, surplus_rows=surplus,
-                         train_s=time.perf_counter() - t1, **stats)
+    for name, builder in self.builders.items():
+      line = dict(batch_stats(builder.kept), policy_version=versions[name],
+                  tokens=served[name], rows=builder.kept_rows, updated=int(name in stats),
+                  early_micro_batches=early[name])
+      if name in stats:
+        line.update(surplus_rows=builder.surplus_rows, **stats[name])
+        self.builders[name] = self._new_builder(name)
+      lines[name] = line
     step_s = time.perf_counter() - t0
     tokens = sum(l['tokens'] for l in lines.values())
     for line in lines.values():
       line['step_time_s'] = step_s
     lines[TEAM] = dict(
-        reward_mean=float(np.mean([l['reward_mean'] for l in lines.values()])),
-        reward_std=float(np.mean([l['reward_std'] for l in lines.values()])),
+        reward_mean=float(np.nanmean([l['reward_mean'] for l in lines.values()])),
+        reward_std=float(np.nanmean([l['reward_std'] for l in lines.values()])),
         accuracy=float(np.nanmean([l['accuracy'] for l in lines.values()])),
         policy_version=self.step, tokens=tokens, step_time_s=step_s, rollout_s=rollout_s,
         train_s=step_s - rollout_s, queries=queries, tokens_per_s=tokens / step_s,
@@ -281,18 +330,20 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
 
 
 def write_summary(workdir: str, wall_s: float, window: int = 5) -> dict:
-  """Per agent: first-step and last-`window`-step means of reward and accuracy."""
+  """Per agent: reward and accuracy of its first update, and the mean over its last
+  `window` updates (single steps of small batches are noisy)."""
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   agents = sorted({l['agent'] for l in lines} - {TEAM})
   summary: dict = {'wall_s': wall_s, 'agents': {}}
   for agent in agents:
-    mine = sorted((l for l in lines if l['agent'] == agent), key=lambda l: l['step'])
+    mine = sorted((l for l in lines if l['agent'] == agent and l['updated']),
+                  key=lambda l: l['step'])
     last = mine[-window:]
     summary['agents'][agent] = {
         'first_reward': mine[0]['reward_mean'], 'first_accuracy': mine[0]['accuracy'],
         'last_reward': float(np.mean([l['reward_mean'] for l in last])),
         'last_accuracy': float(np.mean([l['accuracy'] for l in last])),
-        'steps': mine[-1]['step']}
+        'updates': len(mine)}
   team = [l for l in lines if l['agent'] == TEAM]
   run_time = sum(l['step_time_s'] for l in team)
   summary['tokens_per_s'] = sum(l['tokens'] for l in team) / run_time if run_time else 0.0

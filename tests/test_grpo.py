@@ -1,6 +1,5 @@
 """GRPO math on hand-computed values, and micro-batch accumulation = full batch."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
