@@ -29,12 +29,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       name='hierarchical_assistant',
       router='router',
       # task family -> specialist, most frequent family first (Zipf skew).
-      specialists={'reverse': 'reverser', 'add': 'adder', 'sort': 'sorter'},
+      specialists={'reverse': 'reverser', 'sort': 'sorter', 'add': 'adder'},
       zipf=1.0,
       router_reward='routing',
-      # Answers: reverse 2 letters, add 1 digit, sort 2 digits (+ EOS).
-      task_args={'reverse': {'length': 2, 'alphabet': 5}, 'add': {'max_operand': 4},
-                 'sort': {'length': 2, 'max_digit': 4}},
+      # Answers: reverse 2 letters, sort 2 digits, add 1 digit (+ EOS).
+      task_args={'reverse': {'length': 2, 'alphabet': 5}, 'sort': {'length': 2, 'max_digit': 4},
+                 'add': {'max_operand': 4}},
   )
   config.rollout = dict(queries_per_wave=24, max_waves=1)
 
@@ -52,12 +52,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                   normalize_std=True))
 
   # Global batches follow the expected load of a 24-query wave (Zipf 1.0 over 3
-  # families: 55/27/18%); the hardest family (reverse) is the most frequent.
+  # families: 55/27/18%); the family that learns fastest (add) is the rarest.
   config.agents = dict(
       router=agent(group_size=4, global_batch=96, max_new_tokens=2),
       reverser=agent(group_size=8, global_batch=96, max_new_tokens=3),
-      adder=agent(group_size=8, global_batch=48, max_new_tokens=2),
-      sorter=agent(group_size=8, global_batch=32, max_new_tokens=3),
+      sorter=agent(group_size=8, global_batch=48, max_new_tokens=3),
+      adder=agent(group_size=8, global_batch=32, max_new_tokens=2),
   )
 
   if arg == 'runlocal':

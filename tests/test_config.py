@@ -24,8 +24,8 @@ def _fails(config, tmp_path, *needles):
 
 def test_micro_batch_must_divide_global_batch(tmp_path):
   c = hierarchical_assistant.get_config()
-  c.agents.adder.micro_batch = 32  # global 48
-  _fails(c, tmp_path, 'agents.adder.micro_batch', '32', 'divide global_batch=48', '[8, 16, 24, 48]')
+  c.agents.sorter.micro_batch = 32  # global 48
+  _fails(c, tmp_path, 'agents.sorter.micro_batch', '32', 'divide global_batch=48', '[8, 16, 24, 48]')
 
 
 def test_micro_batch_must_not_split_groups(tmp_path):
@@ -75,3 +75,20 @@ def test_command_line_overrides_are_checked(tmp_path, flag, needle):
   assert out.returncode != 0
   assert needle in out.stderr
   assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('name', ['hierarchical_assistant', 'solver_verifier'])
+@pytest.mark.parametrize('arg', ['', 'runlocal'])
+def test_experiment_configs_are_valid(name, arg):
+  import importlib
+
+  import jax
+
+  from flexmarl.config import build_team_spec
+  from flexmarl.tokenizer import build_char_tokenizer
+  from flexmarl.workflows import build_workflow
+  config = importlib.import_module(f'experiments.{name}').get_config(arg)
+  workflow = build_workflow(config.workflow)
+  spec = build_team_spec(config, build_char_tokenizer().vocab_size, len(jax.devices()),
+                         workflow.agent_names())
+  assert set(spec.agents) == set(workflow.agent_names())
