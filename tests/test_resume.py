@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
@@ -25,11 +26,17 @@ def _params(workdir, agent, step):
   return ocp.StandardCheckpointer().restore(os.path.abspath(path))['params']
 
 
-def test_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize('schedule', ['sync', 'flexmarl'])
+def test_resume_matches_uninterrupted(tmp_path, schedule):
   quiet = lambda *_: None
   straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
   config = two_agent_config(steps=6)
   config.checkpoint_every = 3
+  config.schedule = schedule
+  if schedule == 'flexmarl':
+    # Several waves a step, so that rows carried over a checkpoint were already
+    # accumulated once before it (the resumed run must accumulate them again).
+    config.rollout.queries_per_wave, config.rollout.max_waves = 2, 2
   train(config, straight, log=quiet)
 
   config.steps = 3
