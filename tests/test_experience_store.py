@@ -309,13 +309,15 @@ def _run_child_until_killed(path: str, first: int, plan: tuple) -> list[list[str
   lines, step_s = [], 0.0
   for line in proc.stdout:
     words = line.split()
+    if not words:  # a blank line (the child's output is cut mid-line when it is killed)
+      continue
     lines.append(words)
     if plan[0] == 'delay':
       if words == ['ready']:
         threading.Timer(plan[1], proc.kill).start()
       continue
     step, batch, into = plan
-    if words[0] == _STEP_ENDS[step]:
+    if words[0] == _STEP_ENDS[step] and len(words) == 3:  # a line cut by the kill has fewer
       step_s = float(words[2])
     if words[:2] == [_STEP_STARTS[step], str(batch)]:
       time.sleep(into * step_s)
@@ -327,7 +329,7 @@ def _run_child_until_killed(path: str, first: int, plan: tuple) -> list[list[str
 
 
 def _reported(lines: list[list[str]], word: str) -> set[int]:
-  return {int(line[1]) for line in lines if line[0] == word}
+  return {int(line[1]) for line in lines if line[0] == word and len(line) > 1}
 
 
 def _check_after_crash(path: str, committed: set[int], rewarded: set[int], writing: int) -> None:
