@@ -20,8 +20,15 @@ The other schedules give the same numbers and differ only in *when* work runs:
   and micro-batches are cut exactly as under `sync`, and accumulated in the same
   order, so the parameters are the same.
 
-Data moves forward only: workflow → RolloutEngine → groups → AgentTrainer →
-weights back to the sampler. Nothing but this class changes a version.
+Data moves forward only: workflow → RolloutEngine → groups (written to the
+ExperienceStore, and cut into batches) → AgentTrainer → weights back to the sampler.
+Nothing but this class changes a version.
+
+Restarts: the run resumes from the newest checkpoint that every agent has, with the
+rows each agent had not yet trained on, and serves the next queries again. Sampling
+keys depend only on (seed, agent, version, sample_id), so it draws the same rows as
+the run that died; the store keeps each row once and marks rows consumed only once a
+checkpoint holds the update that trained on them.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from flexmarl.metrics.writer import TEAM, MetricsWriter, read_metrics
 from flexmarl.models import sharding
 from flexmarl.rollout.engine import EpisodeResult, RolloutEngine, Turn
 from flexmarl.rollout.sampler import EmbeddedSampler
+from flexmarl.store.experience_store import ExperienceStore, Row
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.train import grpo
 from flexmarl.train.checkpoint import AgentCheckpointer
@@ -166,6 +174,13 @@ class JointOrchestrator:
         self.samplers, {n: a.sampling for n, a in spec.agents.items()},
         {n: a.group_size for n, a in spec.agents.items()}, tokenizer, spec.seed)
     self.checkpointers = {n: AgentCheckpointer(workdir, n) for n in spec.agents}
+    # Every served row, durably; rows are marked consumed once a checkpoint holds the
+    # update that trained on them.
+    self.store = ExperienceStore.open(os.path.join(workdir, 'store'), agents=list(spec.agents))
+    self._trained_since_save: dict[str, list[str]] = {n: [] for n in spec.agents}
+    # Appends run on one background thread, in order, off the rollout's critical path.
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='store')
+    self._writes: list[concurrent.futures.Future] = []
     self.step = 0
     self.next_query = 0
     # Each agent's batch at its current version: rows served, not yet trained on.
@@ -191,16 +206,28 @@ class JointOrchestrator:
       self.next_query = meta['next_query']
       for g in meta['buffer']:
         self.builders[name].add(group_from_json(g))
+      carried = [s for g in self.builders[name].kept for s in g.turn.sample_ids]
+      if carried and self.store.count(name, sample_ids=carried, consumed=True):
+        raise RuntimeError(
+            f'agent {name!r}: checkpoint {step} carries rows that the store marks consumed '
+            f'(trained on and checkpointed later); the workdir {self.workdir} is inconsistent.')
     self.step = step
     return step
 
   def save(self) -> None:
+    """Checkpoint every agent; then mark the rows those updates trained on consumed."""
     meta = {'step': self.step, 'next_query': self.next_query}
     for name, ckpt in self.checkpointers.items():
       trainer = self.trainers[name]
       ckpt.save(self.step, trainer.train_state(),
                 dict(meta, version=trainer.version,
                      buffer=[group_to_json(g) for g in self.builders[name].kept]))
+    for name, ckpt in self.checkpointers.items():
+      ckpt.wait()
+    self.flush_writes()
+    for name, ids in self._trained_since_save.items():
+      self.store.mark_consumed(name, ids)
+      ids.clear()
 
   # -- one step -----------------------------------------------------------------------
 
@@ -229,6 +256,7 @@ class JointOrchestrator:
       results = self.engine.run(self.workflow, batch, first)
       queries += len(batch)
       for name, gs in collect_groups(results, list(self.spec.agents)).items():
+        self.record(name, gs)
         for g in gs:
           self.builders[name].add(g)
         tokens[name] += sum(len(t) for g in gs for t in g.turn.tokens)
@@ -239,6 +267,33 @@ class JointOrchestrator:
       if all(b.full for b in self.builders.values()):
         break
     return queries, tokens, early
+
+  def record(self, name: str, groups: Sequence[Group]) -> None:
+    """Append served rows, with rewards and advantages, to the agent's store table.
+
+    A rerun after a crash serves the same queries at the same versions and so draws
+    the same rows: their append is a no-op (and raises if anything differs)."""
+    normalize = self.spec.agents[name].grpo.normalize_std
+    rows = []
+    for g in groups:
+      adv = grpo.group_advantages(g.rewards, g.size, normalize)
+      t = g.turn
+      rows += [Row(sid, t.version, t.prompt_ids, tokens, logprobs, float(r), float(a))
+               for sid, tokens, logprobs, r, a in zip(t.sample_ids, t.tokens, t.logprobs,
+                                                      g.rewards, adv)]
+    if rows:
+      self._writes.append(self._writer.submit(self.store.append, name, rows))
+    self.flush_writes(wait=False)
+
+  def flush_writes(self, wait: bool = True) -> None:
+    """Re-raise any failed append; with `wait`, first let every pending one finish."""
+    pending = []
+    for f in self._writes:
+      if wait or f.done():
+        f.result()
+      else:
+        pending.append(f)
+    self._writes = pending
 
   def accumulate(self, name: str, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the agent's accumulator."""
@@ -256,6 +311,8 @@ class JointOrchestrator:
   def train_agent(self, name: str) -> dict[str, float]:
     """Accumulate the micro-batches not yet accumulated, one optimizer step, publish."""
     t0 = time.perf_counter()
+    self._trained_since_save[name] += [s for g in self.builders[name].kept
+                                       for s in g.turn.sample_ids]
     for micro in self.builders[name].micro_batches(final=True):
       self.accumulate(name, micro)
     stats = self.trainers[name].apply()
@@ -319,6 +376,7 @@ class JointOrchestrator:
       writer.close()
       for c in self.checkpointers.values():
         c.wait()
+      self.flush_writes()
     return write_summary(self.workdir, time.perf_counter() - t0)
 
 
