@@ -68,6 +68,7 @@ def main(argv):
         print(f"step {i + 1}/{_STEPS.value}: reward {lines['solver']['reward_mean']:.2f}",
               flush=True)
     elapsed = time.perf_counter() - t0
+    orch.close()
   result = dict(steps_per_s=_STEPS.value / elapsed, gen_tokens_per_s=gen / elapsed,
                 train_tokens_per_s=trained / elapsed, compile_s=compile_s)
   print(f"{result['steps_per_s']:.1f} steps/s, {result['gen_tokens_per_s']:.0f} generated tok/s, "

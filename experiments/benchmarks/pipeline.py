@@ -56,6 +56,7 @@ def step_time(schedule: str) -> dict:
       rollout += team['rollout_s']
       train += team['train_s']
     elapsed = time.perf_counter() - t0
+    orch.close()
   n = _STEPS.value
   return dict(step_s=elapsed / n, rollout_s=rollout / n, after_rollout_s=train / n)
 
