@@ -63,6 +63,7 @@ class Group:
 
   turn: Turn
   rewards: np.ndarray
+  advantages: np.ndarray  # fixed once the group is complete, before any gradient
   correct: np.ndarray  # 1.0 / 0.0 per sample, NaN where the workflow did not say
 
   @property
@@ -70,16 +71,18 @@ class Group:
     return len(self.rewards)
 
 
-def collect_groups(results: Sequence[EpisodeResult], agents: Sequence[str]
+def collect_groups(results: Sequence[EpisodeResult], normalize_std: Mapping[str, bool]
                    ) -> dict[str, list[Group]]:
-  """Per agent, the groups of `results` in (query, turn) order."""
-  out: dict[str, list[Group]] = {a: [] for a in agents}
+  """Per agent (the keys of `normalize_std`), the groups of `results` in (query, turn)
+  order, with their GRPO advantages."""
+  out: dict[str, list[Group]] = {a: [] for a in normalize_std}
   for res in results:
     for turn in res.turns:
       rewards = np.array([res.episode.rewards[s] for s in turn.sample_ids], np.float32)
       correct = np.array([float(res.episode.correct[s]) if s in res.episode.correct
                           else np.nan for s in turn.sample_ids], np.float32)
-      out[turn.agent].append(Group(turn, rewards, correct))
+      adv = grpo.group_advantages(rewards, len(rewards), normalize_std[turn.agent])
+      out[turn.agent].append(Group(turn, rewards, adv, correct))
   return out
 
 
@@ -89,14 +92,16 @@ def group_to_json(g: Group) -> dict:
   return dict(query_id=t.query_id, turn=t.turn, agent=t.agent, version=t.version,
               prompt_ids=t.prompt_ids, sample_ids=t.sample_ids,
               tokens=[x.tolist() for x in t.tokens], logprobs=[x.tolist() for x in t.logprobs],
-              rewards=g.rewards.tolist(), correct=g.correct.tolist())
+              rewards=g.rewards.tolist(), advantages=g.advantages.tolist(),
+              correct=g.correct.tolist())
 
 
 def group_from_json(d: dict) -> Group:
   turn = Turn(d['query_id'], d['turn'], d['agent'], d['version'], d['prompt_ids'],
               d['sample_ids'], [np.asarray(x, np.int32) for x in d['tokens']],
               [np.asarray(x, np.float32) for x in d['logprobs']])
-  return Group(turn, np.asarray(d['rewards'], np.float32), np.asarray(d['correct'], np.float32))
+  return Group(turn, np.asarray(d['rewards'], np.float32),
+               np.asarray(d['advantages'], np.float32), np.asarray(d['correct'], np.float32))
 
 
 class BatchBuilder:
@@ -224,7 +229,7 @@ class JointOrchestrator:
       ckpt.save(self.step, trainer.train_state(),
                 dict(meta, version=trainer.version,
                      buffer=[group_to_json(g) for g in self.builders[name].kept]))
-    for name, ckpt in self.checkpointers.items():
+    for ckpt in self.checkpointers.values():
       ckpt.wait()
     self.flush_writes()
     for name, ids in self._trained_since_save.items():
@@ -252,12 +257,13 @@ class JointOrchestrator:
     micro-batches accumulated while the rollout was still going on."""
     queries, tokens = 0, {n: 0 for n in self.spec.agents}
     early = {n: 0 for n in self.spec.agents}
+    normalize = {n: a.grpo.normalize_std for n, a in self.spec.agents.items()}
     for _ in range(self.spec.max_waves):
       first = self.next_query
       batch = self.queries(self.spec.queries_per_wave)
       results = self.engine.run(self.workflow, batch, first)
       queries += len(batch)
-      for name, gs in collect_groups(results, list(self.spec.agents)).items():
+      for name, gs in collect_groups(results, normalize).items():
         self.record(name, gs)
         for g in gs:
           self.builders[name].add(g)
@@ -272,14 +278,12 @@ class JointOrchestrator:
 
   def record(self, name: str, groups: Sequence[Group]) -> None:
     """Queue served rows, with rewards and advantages, for the agent's store table."""
-    normalize = self.spec.agents[name].grpo.normalize_std
     for g in groups:
-      adv = grpo.group_advantages(g.rewards, g.size, normalize)
       t = g.turn
       self._rows[name] += [
           Row(sid, t.version, t.prompt_ids, tokens, logprobs, float(r), float(a))
           for sid, tokens, logprobs, r, a in zip(t.sample_ids, t.tokens, t.logprobs,
-                                                 g.rewards, adv)]
+                                                 g.rewards, g.advantages)]
 
   def write_rows(self) -> None:
     """Append the queued rows in the background.
@@ -306,8 +310,7 @@ class JointOrchestrator:
     """Add one micro-batch's gradient to the agent's accumulator."""
     a: AgentSpec = self.spec.agents[name]
     trainer = self.trainers[name]
-    adv = np.concatenate([grpo.group_advantages(g.rewards, g.size, a.grpo.normalize_std)
-                          for g in micro])
+    adv = np.concatenate([g.advantages for g in micro])
     trainer.accumulate(TrainBatch.from_rows(
         [g.turn.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.turn.tokens],
