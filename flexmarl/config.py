@@ -18,7 +18,7 @@ from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train.grpo import GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
-SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')
+SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:k')
 
 
 class ConfigError(ValueError):
@@ -42,7 +42,8 @@ class AgentSpec:
 class TeamSpec:
   seed: int
   steps: int
-  schedule: str
+  schedule: str  # 'sync' | 'sync_parallel' | 'flexmarl' | 'async'
+  max_staleness: int  # k of `async:k`; 0 (exactly on-policy) for the other schedules
   max_prompt_len: int
   tokenizer: str
   agents: Mapping[str, AgentSpec]
@@ -127,12 +128,25 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       mesh_shape=mesh)
 
 
+def parse_schedule(value: str) -> tuple[str, int]:
+  """`config.schedule` → (schedule, max staleness): 'flexmarl' → ('flexmarl', 0),
+  'async:2' → ('async', 2)."""
+  if value in SCHEDULES[:3]:
+    return value, 0
+  name, _, k = str(value).partition(':')
+  if name == 'async':
+    if not k.isdigit() or int(k) < 1:
+      _fail('schedule', value, 'write async:k with a whole number k >= 1, the most versions '
+            'a trained row may lag behind the parameters it updates (async:1, async:2, ...); '
+            'for staleness 0 use flexmarl.')
+    return 'async', int(k)
+  _fail('schedule', value, f'choose one of {list(SCHEDULES)}.')
+
+
 def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devices: int,
                     workflow_agents: Sequence[str]) -> TeamSpec:
   """Check the whole config; raise ConfigError on the first bad field."""
-  if config.schedule not in SCHEDULES:
-    _fail('schedule', config.schedule, f'choose one of {list(SCHEDULES)} (async:k, bounded '
-          'staleness, is not available yet).')
+  schedule, max_staleness = parse_schedule(config.schedule)
   if config.steps < 1:
     _fail('steps', config.steps, 'must be >= 1.')
   if config.max_prompt_len < 2:
@@ -156,7 +170,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devi
     _fail('rollout.max_waves', r.max_waves, 'must be >= 1.')
   if config.checkpoint_every < 1:
     _fail('checkpoint_every', config.checkpoint_every, 'must be >= 1 (steps).')
-  return TeamSpec(seed=config.seed, steps=config.steps, schedule=config.schedule,
+  return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
+                  max_staleness=max_staleness,
                   max_prompt_len=config.max_prompt_len, tokenizer=config.tokenizer,
                   agents=agents, queries_per_wave=r.queries_per_wave, max_waves=r.max_waves,
                   checkpoint_every=config.checkpoint_every)

@@ -20,6 +20,16 @@ The other schedules give the same numbers and differ only in *when* work runs:
   and micro-batches are cut exactly as under `sync`, and accumulated in the same
   order, so the parameters are the same.
 
+`async:k` trades exactness for overlap (bounded staleness). At the start of a step,
+every agent whose buffer holds a global batch trains on its oldest rows, on its own
+thread, while the rollout of the step goes on serving the weights from before that
+update; the new weights are published when both are done. Rows are not dropped when
+a batch is full: they wait for the next one, as long as they are at most k versions
+older than the parameters they would update; older rows are dropped, never trained on,
+and counted (`stale_dropped`). The loss's importance ratio is taken against each row's
+behaviour logprobs, so it corrects for the lag. Which version serves which wave is
+fixed by the step count alone, so runs stay reproducible and resumable.
+
 Data moves forward only: workflow → RolloutEngine → groups (written to the
 ExperienceStore, and cut into batches) → AgentTrainer → weights back to the sampler.
 Nothing but this class changes a version.
@@ -39,7 +49,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -139,6 +149,41 @@ class BatchBuilder:
     return out
 
 
+class StaleBuffer:
+  """One agent's served groups under `async:k`, oldest first.
+
+  The rollout runs ahead of training, so a group may wait across steps. It is trained
+  on while its version is at most `max_staleness` behind the parameters it updates;
+  once it is older it is dropped (and counted), never trained on.
+  """
+
+  def __init__(self, global_batch: int, micro_groups: int, max_staleness: int):
+    self.global_batch, self.micro_groups = global_batch, micro_groups
+    self.max_staleness = max_staleness
+    self.kept: list[Group] = []
+
+  def add(self, group: Group) -> None:
+    self.kept.append(group)
+
+  def fresh_rows(self, version: int) -> int:
+    """Rows that may still update parameters at `version`."""
+    return sum(g.size for g in self.kept if version - g.turn.version <= self.max_staleness)
+
+  def drop_stale(self, version: int) -> int:
+    """Drop the groups too old to update parameters at `version`; returns their rows."""
+    before = sum(g.size for g in self.kept)
+    self.kept = [g for g in self.kept if version - g.turn.version <= self.max_staleness]
+    return before - sum(g.size for g in self.kept)
+
+  def take(self) -> list[list[Group]]:
+    """The oldest whole groups up to `global_batch` rows, cut into micro-batches."""
+    batch, rows = [], 0
+    while self.kept and rows + self.kept[0].size <= self.global_batch:
+      rows += self.kept[0].size
+      batch.append(self.kept.pop(0))
+    return [batch[i:i + self.micro_groups] for i in range(0, len(batch), self.micro_groups)]
+
+
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
   """Reward mean/std and exact-match accuracy over the rows of `groups`."""
   if not groups:
@@ -190,7 +235,8 @@ class JointOrchestrator:
     self._writes: list[concurrent.futures.Future] = []
     self.step = 0
     self.next_query = 0
-    # Each agent's batch at its current version: rows served, not yet trained on.
+    # Each agent's rows served, not yet trained on: its batch at its current version
+    # (a BatchBuilder), or under `async:k` every row still fresh enough (a StaleBuffer).
     self.builders = {n: self._new_builder(n) for n in spec.agents}
 
   # -- versions and persistence -------------------------------------------------------
@@ -245,18 +291,19 @@ class JointOrchestrator:
     self.next_query += count
     return out
 
-  def _new_builder(self, name: str) -> BatchBuilder:
+  def _new_builder(self, name: str) -> BatchBuilder | StaleBuffer:
     a = self.spec.agents[name]
+    if self.spec.schedule == 'async':
+      return StaleBuffer(a.global_batch, a.micro_batch // a.group_size, self.spec.max_staleness)
     return BatchBuilder(a.global_batch, a.micro_batch // a.group_size)
 
-  def rollout(self) -> tuple[int, dict[str, int], dict[str, int]]:
-    """Serve waves of queries into the batches until all are full.
+  def rollout(self, take: Callable[[str, list[Group]], None], done: Callable[[], bool]
+              ) -> tuple[int, dict[str, int]]:
+    """Serve waves of queries until `done()` (or `max_waves`), handing each agent's
+    groups to `take` wave by wave, in (query, turn) order.
 
-    Under `flexmarl`, each micro-batch completed by a wave is accumulated at once.
-    Returns the number of queries, and per agent the response tokens served and the
-    micro-batches accumulated while the rollout was still going on."""
+    Returns the number of queries and, per agent, the response tokens served."""
     queries, tokens = 0, {n: 0 for n in self.spec.agents}
-    early = {n: 0 for n in self.spec.agents}
     normalize = {n: a.grpo.normalize_std for n, a in self.spec.agents.items()}
     for _ in range(self.spec.max_waves):
       first = self.next_query
@@ -265,16 +312,11 @@ class JointOrchestrator:
       queries += len(batch)
       for name, gs in collect_groups(results, normalize).items():
         self.record(name, gs)
-        for g in gs:
-          self.builders[name].add(g)
+        take(name, gs)
         tokens[name] += sum(len(t) for g in gs for t in g.turn.tokens)
-        if self.spec.schedule == 'flexmarl':
-          for micro in self.builders[name].micro_batches():
-            self.accumulate(name, micro)  # dispatched; runs while the rollout goes on
-            early[name] += 1
-      if all(b.full for b in self.builders.values()):
+      if done():
         break
-    return queries, tokens, early
+    return queries, tokens
 
   def record(self, name: str, groups: Sequence[Group]) -> None:
     """Queue served rows, with rewards and advantages, for the agent's store table."""
@@ -330,10 +372,27 @@ class JointOrchestrator:
     return dict(stats, train_s=time.perf_counter() - t0)
 
   def run_step(self) -> dict[str, dict[str, float]]:
-    """One step: roll out, then train the agents whose batch is full."""
+    """One step of the configured schedule; returns its metrics lines."""
+    if self.spec.schedule == 'async':
+      return self._async_step()
+    return self._sync_step()
+
+  def _sync_step(self) -> dict[str, dict[str, float]]:
+    """`sync`, `sync_parallel`, `flexmarl`: roll out, then train the agents whose batch
+    is full (under `flexmarl`, micro-batches completed during the rollout already ran)."""
     t0 = time.perf_counter()
     versions = {n: t.version for n, t in self.trainers.items()}
-    queries, served, early = self.rollout()
+    early = {n: 0 for n in self.spec.agents}
+
+    def take(name: str, groups: list[Group]) -> None:
+      for g in groups:
+        self.builders[name].add(g)
+      if self.spec.schedule == 'flexmarl':
+        for micro in self.builders[name].micro_batches():
+          self.accumulate(name, micro)  # dispatched; runs while the rollout goes on
+          early[name] += 1
+
+    queries, served = self.rollout(take, lambda: all(b.full for b in self.builders.values()))
     rollout_s = time.perf_counter() - t0
     full = [n for n, b in self.builders.items() if b.full]
     if self.spec.schedule == 'sync_parallel':
@@ -350,6 +409,68 @@ class JointOrchestrator:
         line.update(surplus_rows=builder.surplus_rows, **stats[name])
         self.builders[name] = self._new_builder(name)
       lines[name] = line
+    return self._finish_step(lines, t0, rollout_s, queries)
+
+  def _async_step(self) -> dict[str, dict[str, float]]:
+    """`async:k`: agents with a full buffer train on their own threads while the
+    rollout serves the weights from before those updates; publish when both are done."""
+    t0 = time.perf_counter()
+    k = self.spec.max_staleness
+    versions = {n: t.version for n, t in self.trainers.items()}
+    dropped = {n: b.drop_stale(versions[n]) for n, b in self.builders.items()}
+    batches = {n: b.take() for n, b in self.builders.items()
+               if b.fresh_rows(versions[n]) >= self.spec.agents[n].global_batch}
+    # The versions this step's rows will be trained at, at the earliest.
+    after = {n: v + (n in batches) for n, v in versions.items()}
+    served: dict[str, list[Group]] = {n: [] for n in self.spec.agents}
+
+    def take(name: str, groups: list[Group]) -> None:
+      served[name] += groups
+      for g in groups:
+        self.builders[name].add(g)
+
+    def done() -> bool:
+      return all(b.fresh_rows(after[n]) >= self.spec.agents[n].global_batch
+                 for n, b in self.builders.items())
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(batches))) as pool:
+      training = {n: pool.submit(self.train_batch, n, micro) for n, micro in batches.items()}
+      queries, tokens = self.rollout(take, done)
+      rollout_s = time.perf_counter() - t0
+      stats = {n: f.result() for n, f in training.items()}
+    for name in stats:
+      self.publish(name)
+    lines: dict[str, dict[str, float]] = {}
+    for name, buffer in self.builders.items():
+      line = dict(batch_stats(served[name]), policy_version=versions[name],
+                  tokens=tokens[name], updated=int(name in stats), stale_dropped=dropped[name],
+                  buffered_rows=sum(g.size for g in buffer.kept), max_staleness=k)
+      line.update(stats.get(name, {}))
+      lines[name] = line
+    return self._finish_step(lines, t0, rollout_s, queries)
+
+  def train_batch(self, name: str, micro_batches: Sequence[Sequence[Group]]) -> dict[str, float]:
+    """Train on a whole batch (async): accumulate its micro-batches, one optimizer step.
+
+    The staleness of each row (versions between the one that sampled it and the
+    parameters it updates) is measured here, where the update happens."""
+    t0 = time.perf_counter()
+    version = self.trainers[name].version
+    groups = [g for micro in micro_batches for g in micro]
+    lags = np.array([version - g.turn.version for g in groups for _ in range(g.size)])
+    if lags.max() > self.spec.max_staleness or lags.min() < 0:
+      raise RuntimeError(f'agent {name!r}: a batch for version {version} holds rows of '
+                         f'staleness {lags.max()} > bound {self.spec.max_staleness}.')
+    self._trained_since_save[name] += [s for g in groups for s in g.turn.sample_ids]
+    for micro in micro_batches:
+      self.accumulate(name, micro)
+    stats = self.trainers[name].apply()
+    return dict(stats, train_s=time.perf_counter() - t0, rows=len(lags),
+                staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+
+  def _finish_step(self, lines: dict[str, dict[str, float]], t0: float, rollout_s: float,
+                   queries: int) -> dict[str, dict[str, float]]:
+    """Add step times and the team line; queue the step's rows for the store."""
     step_s = time.perf_counter() - t0
     tokens = sum(l['tokens'] for l in lines.values())
     for line in lines.values():

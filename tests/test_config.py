@@ -56,6 +56,10 @@ def test_unknown_schedule_and_bad_numbers(tmp_path):
   c = hierarchical_assistant.get_config()
   c.schedule = 'fastest'
   _fails(c, tmp_path, "schedule='fastest'", "'sync'")
+  for bad in ('async:0', 'async:two', 'async'):
+    c = hierarchical_assistant.get_config()
+    c.schedule = bad
+    _fails(c, tmp_path, f"schedule='{bad}'", 'k >= 1', 'flexmarl')
   c = hierarchical_assistant.get_config()
   c.agents.sorter.sampling.temperature = 0.0
   _fails(c, tmp_path, 'agents.sorter.sampling.temperature', 'must be > 0')

@@ -26,7 +26,7 @@ def _params(workdir, agent, step):
   return ocp.StandardCheckpointer().restore(os.path.abspath(path))['params']
 
 
-@pytest.mark.parametrize('schedule', ['sync', 'flexmarl'])
+@pytest.mark.parametrize('schedule', ['sync', 'flexmarl', 'async:1'])
 def test_resume_matches_uninterrupted(tmp_path, schedule):
   quiet = lambda *_: None
   straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
