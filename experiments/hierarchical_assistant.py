@@ -36,7 +36,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       task_args={'reverse': {'length': 2, 'alphabet': 5}, 'sort': {'length': 2, 'max_digit': 4},
                  'add': {'max_operand': 4}},
   )
-  config.rollout = dict(queries_per_wave=24, max_waves=1)
+  # Rollout instances on devices of their own, as in the paper: generation never waits
+  # behind an agent's gradient work (4 training + 4 rollout devices).
+  config.rollout = dict(queries_per_wave=24, max_waves=1, devices='separate')
 
   def agent(group_size: int, global_batch: int, max_new_tokens: int) -> ml_collections.ConfigDict:
     # An entropy bonus of 0.1 keeps tiny policies from collapsing onto one answer in

@@ -19,6 +19,10 @@ from flexmarl.train.grpo import GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
 SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:k')
+# Where each agent's rollout instance runs: on its training mesh, or on devices of its
+# own (the paper's separate rollout and training pools: generation never queues behind
+# the agent's own gradient work).
+ROLLOUT_DEVICES = ('shared', 'separate')
 
 
 class ConfigError(ValueError):
@@ -49,6 +53,7 @@ class TeamSpec:
   agents: Mapping[str, AgentSpec]
   queries_per_wave: int
   max_waves: int
+  separate_rollout_devices: bool
   checkpoint_every: int
 
 
@@ -158,20 +163,28 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devi
       _fail('workflow', name, f'the workflow calls agent {name!r}, which config.agents does '
             f'not define (defined: {sorted(config.agents)}); add it or rename it.')
   agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
-  needed = sum(s.mesh_shape[0] * s.mesh_shape[1] for s in agents.values())
-  if needed > num_devices:
-    _fail('agents.*.mesh_shape', {n: s.mesh_shape for n, s in agents.items()},
-          f'the meshes need {needed} devices but {num_devices} are available; shrink the '
-          'meshes (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N first).')
   r = config.rollout
   if r.queries_per_wave < 1:
     _fail('rollout.queries_per_wave', r.queries_per_wave, 'must be >= 1.')
   if r.max_waves < 1:
     _fail('rollout.max_waves', r.max_waves, 'must be >= 1.')
+  rollout_devices = r.get('devices', 'shared')
+  if rollout_devices not in ROLLOUT_DEVICES:
+    _fail('rollout.devices', rollout_devices, f'choose one of {list(ROLLOUT_DEVICES)}.')
+  separate = rollout_devices == 'separate'
+  needed = sum(s.mesh_shape[0] * s.mesh_shape[1] for s in agents.values()) * (1 + separate)
+  if needed > num_devices:
+    _fail('agents.*.mesh_shape', {n: s.mesh_shape for n, s in agents.items()},
+          f'the meshes need {needed} devices'
+          f'{" (training and rollout.devices=separate)" if separate else ""} but '
+          f'{num_devices} are available; shrink the meshes'
+          f'{", or set rollout.devices=shared" if separate else ""} (on CPU, set '
+          'XLA_FLAGS=--xla_force_host_platform_device_count=N first).')
   if config.checkpoint_every < 1:
     _fail('checkpoint_every', config.checkpoint_every, 'must be >= 1 (steps).')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness,
                   max_prompt_len=config.max_prompt_len, tokenizer=config.tokenizer,
                   agents=agents, queries_per_wave=r.queries_per_wave, max_waves=r.max_waves,
+                  separate_rollout_devices=separate,
                   checkpoint_every=config.checkpoint_every)

@@ -18,11 +18,12 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Where metrics, checkpoints and 
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def train(config, workdir: str, workflow=None, log=print) -> dict:
-  """Check the config, build the team and run it; returns the summary.
+def build(config, workdir: str, workflow=None):
+  """Check the config, then build the team's JointOrchestrator over `workdir`.
 
   `workflow`: a Workflow object (see flexmarl.workflows.base); by default the
-  built-in one that `config.workflow` names.
+  built-in one that `config.workflow` names. Nothing is written before the config
+  has been checked.
   """
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
@@ -39,7 +40,12 @@ def train(config, workdir: str, workflow=None, log=print) -> dict:
   with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
     f.write(config.to_json_best_effort(indent=2))
   tokenizer.save(os.path.join(workdir, 'tokenizer'))
-  summary = JointOrchestrator(spec, workflow, tokenizer, workdir).run(log)
+  return JointOrchestrator(spec, workflow, tokenizer, workdir)
+
+
+def train(config, workdir: str, workflow=None, log=print) -> dict:
+  """Build the team (see `build`) and run it to `config.steps`; returns the summary."""
+  summary = build(config, workdir, workflow).run(log)
   log(format_summary(summary))
   return summary
 

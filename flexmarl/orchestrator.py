@@ -15,15 +15,17 @@ The other schedules give the same numbers and differ only in *when* work runs:
 - `sync_parallel`: after the rollout, the full agents train at the same time.
 - `flexmarl`: the micro-batch pipeline. Each agent's batch is built as its groups
   arrive, wave by wave; a micro-batch's gradient is dispatched as soon as it is
-  complete, and runs on the agent's devices while the rollout goes on. Only the
-  last micro-batch and the optimizer step wait for the end of the rollout. Batches
-  and micro-batches are cut exactly as under `sync`, and accumulated in the same
-  order, so the parameters are the same.
+  complete, and runs on the agent's devices while the rollout goes on. Once the
+  agent's batch is full, its optimizer step is dispatched at once, however long the
+  other agents' batches take; the new weights are published at the end of the step
+  (the rows it is still served until then are surplus, as under `sync`). Batches and
+  micro-batches are cut exactly as under `sync`, and accumulated in the same order,
+  so the parameters are the same.
 
 `async:k` trades exactness for overlap (bounded staleness). At the start of a step,
-every agent whose buffer holds a global batch trains on its oldest rows, on its own
-thread, while the rollout of the step goes on serving the weights from before that
-update; the new weights are published when both are done. Rows are not dropped when
+every agent whose buffer holds a global batch trains on its oldest rows (dispatched
+to its training devices, not awaited) while the rollout of the step goes on serving the
+weights from before that update; the new weights are published when both are done. Rows are not dropped when
 a batch is full: they wait for the next one, as long as they are at most k versions
 older than the parameters they would update; older rows are dropped, never trained on,
 and counted (`stale_dropped`). The loss's importance ratio is taken against each row's
@@ -35,7 +37,8 @@ ExperienceStore, and cut into batches) → AgentTrainer → weights back to the 
 Nothing but this class changes a version.
 
 Restarts: the run resumes from the newest checkpoint that every agent has, with the
-rows each agent had not yet trained on, and serves the next queries again. Sampling
+rows each agent had not yet trained on (the checkpoint names them; they are read back
+from the ExperienceStore), and serves the next queries again. Sampling
 keys depend only on (seed, agent, version, sample_id), so it draws the same rows as
 the run that died; the store keeps each row once and marks rows consumed only once a
 checkpoint holds the update that trained on them.
@@ -96,31 +99,41 @@ def collect_groups(results: Sequence[EpisodeResult], normalize_std: Mapping[str,
   return out
 
 
-def group_to_json(g: Group) -> dict:
-  """A buffered group as JSON (checkpoint metadata): rows carried to the next step."""
+def group_ref(g: Group) -> dict:
+  """A buffered group as the checkpoint names it: its rows live in the ExperienceStore."""
   t = g.turn
-  return dict(query_id=t.query_id, turn=t.turn, agent=t.agent, version=t.version,
-              prompt_ids=t.prompt_ids, sample_ids=t.sample_ids,
-              tokens=[x.tolist() for x in t.tokens], logprobs=[x.tolist() for x in t.logprobs],
-              rewards=g.rewards.tolist(), advantages=g.advantages.tolist(),
+  return dict(query_id=t.query_id, turn=t.turn, agent=t.agent, sample_ids=t.sample_ids,
               correct=g.correct.tolist())
 
 
-def group_from_json(d: dict) -> Group:
-  turn = Turn(d['query_id'], d['turn'], d['agent'], d['version'], d['prompt_ids'],
-              d['sample_ids'], [np.asarray(x, np.int32) for x in d['tokens']],
-              [np.asarray(x, np.float32) for x in d['logprobs']])
-  return Group(turn, np.asarray(d['rewards'], np.float32),
-               np.asarray(d['advantages'], np.float32), np.asarray(d['correct'], np.float32))
+def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) -> list[Group]:
+  """The groups `refs` name, read back from the agent's store table (one read)."""
+  ids = [s for ref in refs for s in ref['sample_ids']]
+  rows = {r.sample_id: r for r in store.read(agent, sample_ids=ids, ready=('reward', 'advantage'))}
+  missing = [s for s in ids if s not in rows]
+  if missing:
+    raise RuntimeError(f'agent {agent!r}: the checkpoint carries rows the store does not hold '
+                       f'with reward and advantage: {missing[:5]}; the workdir is inconsistent.')
+  out = []
+  for ref in refs:
+    mine = [rows[s] for s in ref['sample_ids']]
+    turn = Turn(ref['query_id'], ref['turn'], ref['agent'], mine[0].policy_version,
+                mine[0].prompt_ids.tolist(), ref['sample_ids'], [r.response_ids for r in mine],
+                [r.logprobs for r in mine])
+    out.append(Group(turn, np.array([r.reward for r in mine], np.float32),
+                     np.array([r.advantage for r in mine], np.float32),
+                     np.asarray(ref['correct'], np.float32)))
+  return out
 
 
 class BatchBuilder:
   """One agent's global batch at its current version, built group by group.
 
-  Groups arrive in (query, turn) order. A group is kept while it fits in
-  `global_batch` rows, else counted as surplus; the batch is full once the rows
-  offered reach `global_batch`. Kept groups are cut into micro-batches of
-  `micro_groups` groups, in order: the cut never depends on when groups arrived.
+  Groups arrive in (query, turn) order. Until the batch is full (the rows offered
+  reach `global_batch`), a group is kept while it fits in `global_batch` rows, else
+  counted as surplus; once it is full, every group is surplus. Kept groups are cut into
+  micro-batches of `micro_groups` groups, in order: the cut never depends on when
+  groups arrived.
   """
 
   def __init__(self, global_batch: int, micro_groups: int):
@@ -130,7 +143,7 @@ class BatchBuilder:
     self.cut = 0  # kept groups already handed out in micro-batches
 
   def add(self, group: Group) -> None:
-    if self.kept_rows + group.size <= self.global_batch:
+    if not self.full and self.kept_rows + group.size <= self.global_batch:
       self.kept.append(group)
       self.kept_rows += group.size
     else:
@@ -195,14 +208,26 @@ def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
               accuracy=float(known.mean()) if known.size else math.nan)
 
 
-def device_slices(spec: TeamSpec, devices: Sequence[jax.Device]) -> dict[str, list]:
-  """Consecutive devices for each agent's mesh, in config order."""
-  out, start = {}, 0
+def device_slices(spec: TeamSpec, devices: Sequence[jax.Device]
+                  ) -> tuple[dict[str, list], dict[str, list]]:
+  """Consecutive devices for each agent's training mesh, in config order, then (with
+  `rollout.devices=separate`) as many again for each agent's rollout instance.
+
+  Returns (training devices, rollout devices) per agent; shared rollout devices are
+  the training ones."""
+  train, rollout, start = {}, {}, 0
   for name, a in spec.agents.items():
     count = a.mesh_shape[0] * a.mesh_shape[1]
-    out[name] = list(devices[start:start + count])
+    train[name] = list(devices[start:start + count])
     start += count
-  return out
+  for name, a in spec.agents.items():
+    if spec.separate_rollout_devices:
+      count = a.mesh_shape[0] * a.mesh_shape[1]
+      rollout[name] = list(devices[start:start + count])
+      start += count
+    else:
+      rollout[name] = train[name]
+  return train, rollout
 
 
 class JointOrchestrator:
@@ -210,16 +235,20 @@ class JointOrchestrator:
   def __init__(self, spec: TeamSpec, workflow: Workflow, tokenizer: TextTokenizer,
                workdir: str, devices: Sequence[jax.Device] | None = None):
     self.spec, self.workflow, self.tokenizer, self.workdir = spec, workflow, tokenizer, workdir
-    slices = device_slices(spec, devices or jax.devices())
+    train_devices, rollout_devices = device_slices(spec, devices or jax.devices())
     self.trainers: dict[str, AgentTrainer] = {}
     self.samplers: dict[str, EmbeddedSampler] = {}
     for i, (name, a) in enumerate(spec.agents.items()):
-      mesh = sharding.make_mesh(slices[name], a.mesh_shape)
+      mesh = sharding.make_mesh(train_devices[name], a.mesh_shape)
       trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i)
       self.trainers[name] = trainer
+      rollout_mesh = sharding.make_mesh(rollout_devices[name], a.mesh_shape)
       self.samplers[name] = EmbeddedSampler(
           trainer.graphdef, trainer.params, max_prompt_len=spec.max_prompt_len,
-          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, batch_multiple=mesh.shape['data'])
+          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+          batch_multiple=rollout_mesh.shape['data'],
+          shardings=(sharding.same_layout(trainer.shardings, rollout_mesh)
+                     if spec.separate_rollout_devices else None))
     self.engine = RolloutEngine(
         self.samplers, {n: a.sampling for n, a in spec.agents.items()},
         {n: a.group_size for n, a in spec.agents.items()}, tokenizer, spec.seed)
@@ -257,8 +286,8 @@ class JointOrchestrator:
       self.trainers[name].load_train_state(state, meta['version'])
       self.publish(name)
       self.next_query = meta['next_query']
-      for g in meta['buffer']:
-        self.builders[name].add(group_from_json(g))
+      for g in groups_from_store(self.store, name, meta['buffer']):
+        self.builders[name].add(g)
       carried = [s for g in self.builders[name].kept for s in g.turn.sample_ids]
       if carried and self.store.count(name, sample_ids=carried, consumed=True):
         raise RuntimeError(
@@ -268,16 +297,19 @@ class JointOrchestrator:
     return step
 
   def save(self) -> None:
-    """Checkpoint every agent; then mark the rows those updates trained on consumed."""
+    """Checkpoint every agent; then mark the rows those updates trained on consumed.
+
+    The rows a checkpoint carries over are read back from the store on restore, so
+    every pending append is durable before any checkpoint is written."""
+    self.flush_writes()
     meta = {'step': self.step, 'next_query': self.next_query}
     for name, ckpt in self.checkpointers.items():
       trainer = self.trainers[name]
       ckpt.save(self.step, trainer.train_state(),
                 dict(meta, version=trainer.version,
-                     buffer=[group_to_json(g) for g in self.builders[name].kept]))
+                     buffer=[group_ref(g) for g in self.builders[name].kept]))
     for ckpt in self.checkpointers.values():
       ckpt.wait()
-    self.flush_writes()
     for name, ids in self._trained_since_save.items():
       self.store.mark_consumed(name, ids)
       ids.clear()
@@ -360,16 +392,33 @@ class JointOrchestrator:
         prompt_len=self.spec.max_prompt_len, response_len=a.sampling.max_new_tokens,
         pad_id=self.tokenizer.pad_id, batch_multiple=trainer.batch_multiple))
 
-  def train_agent(self, name: str) -> dict[str, float]:
-    """Accumulate the micro-batches not yet accumulated, one optimizer step, publish."""
+  def start_step(self, name: str, batch: Sequence[Group],
+                 micro_batches: Sequence[Sequence[Group]]) -> Callable[[], dict[str, float]]:
+    """Accumulate `micro_batches` (those of `batch` not yet accumulated) and dispatch
+    the agent's optimizer step, without waiting for it; returns a function that waits
+    for the step and gives its stats.
+
+    The staleness of each row (versions between the one that sampled it and the
+    parameters it updates) is measured here, where the update happens."""
     t0 = time.perf_counter()
-    self._trained_since_save[name] += [s for g in self.builders[name].kept
-                                       for s in g.turn.sample_ids]
-    for micro in self.builders[name].micro_batches(final=True):
+    lags = np.array([self.trainers[name].version - g.turn.version
+                     for g in batch for _ in range(g.size)])
+    self._trained_since_save[name] += [s for g in batch for s in g.turn.sample_ids]
+    for micro in micro_batches:
       self.accumulate(name, micro)
-    stats = self.trainers[name].apply()
+    result = self.trainers[name].dispatch_apply()
+
+    def finish() -> dict[str, float]:
+      return dict(result(), train_s=time.perf_counter() - t0, rows=len(lags),
+                  staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+    return finish
+
+  def train_agent(self, name: str) -> dict[str, float]:
+    """Train the agent on its full batch, wait for the step, publish the new weights."""
+    builder = self.builders[name]
+    stats = self.start_step(name, builder.kept, builder.micro_batches(final=True))()
     self.publish(name)
-    return dict(stats, train_s=time.perf_counter() - t0)
+    return stats
 
   def run_step(self) -> dict[str, dict[str, float]]:
     """One step of the configured schedule; returns its metrics lines."""
@@ -383,14 +432,21 @@ class JointOrchestrator:
     t0 = time.perf_counter()
     versions = {n: t.version for n, t in self.trainers.items()}
     early = {n: 0 for n in self.spec.agents}
+    stepped: dict[str, Callable[[], dict[str, float]]] = {}  # flexmarl: dispatched steps
 
     def take(name: str, groups: list[Group]) -> None:
+      builder = self.builders[name]
       for g in groups:
-        self.builders[name].add(g)
-      if self.spec.schedule == 'flexmarl':
-        for micro in self.builders[name].micro_batches():
-          self.accumulate(name, micro)  # dispatched; runs while the rollout goes on
-          early[name] += 1
+        builder.add(g)  # once the batch is full, surplus
+      if self.spec.schedule != 'flexmarl' or name in stepped:
+        return
+      # Dispatched, not awaited: each runs on the agent's training devices while the
+      # rollout goes on; the step too, once the batch is full.
+      for micro in builder.micro_batches(final=builder.full):
+        self.accumulate(name, micro)
+        early[name] += 1
+      if builder.full:
+        stepped[name] = self.start_step(name, builder.kept, [])
 
     queries, served = self.rollout(take, lambda: all(b.full for b in self.builders.values()))
     rollout_s = time.perf_counter() - t0
@@ -398,6 +454,10 @@ class JointOrchestrator:
     if self.spec.schedule == 'sync_parallel':
       with concurrent.futures.ThreadPoolExecutor(max(1, len(full))) as pool:
         stats = dict(zip(full, pool.map(self.train_agent, full)))
+    elif self.spec.schedule == 'flexmarl':
+      stats = {name: stepped[name]() for name in full}
+      for name in full:
+        self.publish(name)
     else:
       stats = {name: self.train_agent(name) for name in full}
     lines: dict[str, dict[str, float]] = {}
@@ -412,8 +472,8 @@ class JointOrchestrator:
     return self._finish_step(lines, t0, rollout_s, queries)
 
   def _async_step(self) -> dict[str, dict[str, float]]:
-    """`async:k`: agents with a full buffer train on their own threads while the
-    rollout serves the weights from before those updates; publish when both are done."""
+    """`async:k`: agents with a full buffer train while the rollout serves the weights
+    from before those updates; publish when both are done."""
     t0 = time.perf_counter()
     k = self.spec.max_staleness
     versions = {n: t.version for n, t in self.trainers.items()}
@@ -433,11 +493,13 @@ class JointOrchestrator:
       return all(b.fresh_rows(after[n]) >= self.spec.agents[n].global_batch
                  for n, b in self.builders.items())
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(batches))) as pool:
-      training = {n: pool.submit(self.train_batch, n, micro) for n, micro in batches.items()}
-      queries, tokens = self.rollout(take, done)
-      rollout_s = time.perf_counter() - t0
-      stats = {n: f.result() for n, f in training.items()}
+    # Dispatched, not awaited: the updates run on the training devices while the
+    # rollout serves the weights the samplers hold (from before these updates).
+    training = {n: self.start_step(n, [g for m in micro for g in m], micro)
+                for n, micro in batches.items()}
+    queries, tokens = self.rollout(take, done)
+    rollout_s = time.perf_counter() - t0
+    stats = {n: finish() for n, finish in training.items()}
     for name in stats:
       self.publish(name)
     lines: dict[str, dict[str, float]] = {}
@@ -448,25 +510,6 @@ class JointOrchestrator:
       line.update(stats.get(name, {}))
       lines[name] = line
     return self._finish_step(lines, t0, rollout_s, queries)
-
-  def train_batch(self, name: str, micro_batches: Sequence[Sequence[Group]]) -> dict[str, float]:
-    """Train on a whole batch (async): accumulate its micro-batches, one optimizer step.
-
-    The staleness of each row (versions between the one that sampled it and the
-    parameters it updates) is measured here, where the update happens."""
-    t0 = time.perf_counter()
-    version = self.trainers[name].version
-    groups = [g for micro in micro_batches for g in micro]
-    lags = np.array([version - g.turn.version for g in groups for _ in range(g.size)])
-    if lags.max() > self.spec.max_staleness or lags.min() < 0:
-      raise RuntimeError(f'agent {name!r}: a batch for version {version} holds rows of '
-                         f'staleness {lags.max()} > bound {self.spec.max_staleness}.')
-    self._trained_since_save[name] += [s for g in groups for s in g.turn.sample_ids]
-    for micro in micro_batches:
-      self.accumulate(name, micro)
-    stats = self.trainers[name].apply()
-    return dict(stats, train_s=time.perf_counter() - t0, rows=len(lags),
-                staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
 
   def _finish_step(self, lines: dict[str, dict[str, float]], t0: float, rollout_s: float,
                    queries: int) -> dict[str, dict[str, float]]:

@@ -43,7 +43,16 @@ def test_unknown_agent_in_workflow(tmp_path):
 def test_more_devices_than_exist(tmp_path):
   c = hierarchical_assistant.get_config()
   c.agents.router.mesh_shape = (4, 4)
-  _fails(c, tmp_path, 'mesh_shape', 'need 19 devices', 'available')
+  _fails(c, tmp_path, 'mesh_shape', 'need 38 devices', 'available')
+
+
+def test_separate_rollout_devices_need_their_own(tmp_path):
+  c = hierarchical_assistant.get_config()  # 4 agents x 1 device, twice: 8 of 8
+  c.agents.router.mesh_shape = (2, 1)
+  _fails(c, tmp_path, 'need 10 devices', 'rollout.devices=separate', 'rollout.devices=shared')
+  c = hierarchical_assistant.get_config()
+  c.rollout.devices = 'elsewhere'
+  _fails(c, tmp_path, "rollout.devices='elsewhere'", "'separate'")
 
 
 def test_zero_sized_mesh(tmp_path):

@@ -1,14 +1,19 @@
-"""Step time of the default experiment under `sync`, `sync_parallel` and `flexmarl`.
+"""Step time of the default experiment under `sync`, `sync_parallel`, `flexmarl` and `async:1`.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python experiments/benchmarks/pipeline.py [--steps=40] [--warmup=10] \
+    python experiments/benchmarks/pipeline.py [--steps=60] [--warmup=30] \
       [--queries_per_wave=6] [--max_waves=8]
 
-The three schedules give the same parameters (tests/test_schedules.py), so each one
-does exactly the same work; only its timing differs. Waves are smaller than in the
+`sync`, `sync_parallel` and `flexmarl` give the same parameters (tests/test_schedules.py),
+so each one does exactly the same work; only its timing differs. `async:1` trains each
+batch while the next one rolls out (one version of lag, tests/test_staleness.py): the
+same amount of work, not the same numbers. Waves are smaller than in the
 default experiment so that a global batch fills over several waves, as it does when
 rollout concurrency is bounded: that is where micro-batches can start early. Each
-schedule warms up (compiles) first; the timed steps follow. The last line is JSON.
+schedule runs twice: with each agent's rollout instance on its training device
+(`rollout.devices=shared`) and on a device of its own (`separate`, the paper's split
+pools; the default experiment's setting). Each run warms up (compiles every batch shape
+it meets) first; the timed steps follow. The last line is JSON.
 """
 
 import importlib.util
@@ -17,23 +22,19 @@ import os
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
-_STEPS = flags.DEFINE_integer('steps', 40, 'Timed steps per schedule.')
-_WARMUP = flags.DEFINE_integer('warmup', 10, 'Untimed steps first (compilation).')
+_STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per schedule.')
+_WARMUP = flags.DEFINE_integer('warmup', 30, 'Untimed steps first (compilation).')
 _QUERIES = flags.DEFINE_integer('queries_per_wave', 6, 'Rollout concurrency (queries).')
 _WAVES = flags.DEFINE_integer('max_waves', 8, 'Waves a step may take to fill batches.')
 
-SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')
+SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:1')
+ROLLOUT_DEVICES = ('shared', 'separate')
 
 
-def step_time(schedule: str) -> dict:
-  import jax
-
-  from flexmarl.config import build_team_spec
-  from flexmarl.orchestrator import JointOrchestrator
-  from flexmarl.tokenizer import load_tokenizer
-  from flexmarl.workflows import build_workflow
+def step_time(schedule: str, rollout_devices: str) -> dict:
+  from flexmarl.main import build
 
   spec_file = os.path.join(os.path.dirname(__file__), '..', 'hierarchical_assistant.py')
   module_spec = importlib.util.spec_from_file_location('hierarchical_assistant', spec_file)
@@ -42,11 +43,9 @@ def step_time(schedule: str) -> dict:
   config = module.get_config()
   config.schedule = schedule
   config.rollout.queries_per_wave, config.rollout.max_waves = _QUERIES.value, _WAVES.value
-  tokenizer = load_tokenizer(config.tokenizer)
-  workflow = build_workflow(config.workflow)
-  spec = build_team_spec(config, tokenizer.vocab_size, len(jax.devices()), workflow.agent_names())
+  config.rollout.devices = rollout_devices
   with tempfile.TemporaryDirectory() as workdir:
-    orch = JointOrchestrator(spec, workflow, tokenizer, workdir)
+    orch = build(config, workdir)
     for _ in range(_WARMUP.value):
       orch.run_step()
     rollout = train = 0.0
@@ -63,16 +62,18 @@ def step_time(schedule: str) -> dict:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)
   results = {}
-  for schedule in SCHEDULES:
-    results[schedule] = step_time(schedule)
-    print(f"{schedule:>14}: {results[schedule]['step_s'] * 1e3:.0f} ms/step "
-          f"(rollout {results[schedule]['rollout_s'] * 1e3:.0f} ms, then training "
-          f"{results[schedule]['after_rollout_s'] * 1e3:.0f} ms)", flush=True)
-  base = results['sync']['step_s']
-  for schedule in SCHEDULES:
-    results[schedule]['speedup_vs_sync'] = base / results[schedule]['step_s']
-  print(' '.join(f"{s}: {r['speedup_vs_sync']:.2f}x" for s, r in results.items()))
+  for devices in ROLLOUT_DEVICES:
+    for schedule in SCHEDULES:
+      r = results[f'{schedule}/{devices}'] = step_time(schedule, devices)
+      print(f"{schedule:>14} {devices:>8}: {r['step_s'] * 1e3:.0f} ms/step (rollout "
+            f"{r['rollout_s'] * 1e3:.0f} ms, then training {r['after_rollout_s'] * 1e3:.0f} ms)",
+            flush=True)
+  base = results['sync/shared']['step_s']
+  for r in results.values():
+    r['speedup_vs_sync'] = base / r['step_s']
+  print(' '.join(f"{name}: {r['speedup_vs_sync']:.2f}x" for name, r in results.items()))
   print(json.dumps(results))
 
 

@@ -51,6 +51,12 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
       specs, params, is_leaf=lambda x: isinstance(x, P))
 
 
+def same_layout(shardings, mesh: Mesh):
+  """The same partition specs on another mesh of the same shape (a rollout instance's
+  copy of its trainer's parameters)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s.spec), shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) dim over 'data', the rest replicated."""
   return NamedSharding(mesh, P('data'))

@@ -147,9 +147,13 @@ class EmbeddedSampler:
   """
 
   def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, max_prompt_len: int,
-               eos_id: int, pad_id: int, batch_multiple: int = 1, version: int = 0):
+               eos_id: int, pad_id: int, batch_multiple: int = 1, version: int = 0,
+               shardings=None):
+    """`shardings` (a tree like `state`): the instance's own devices, where published
+    weights are copied; None serves them where they already are."""
     self.graphdef = graphdef
-    self.state = state
+    self.shardings = shardings
+    self.state = self._place(state)
     self.version = version
     self.max_prompt_len = max_prompt_len
     self.eos_id, self.pad_id = eos_id, pad_id
@@ -159,9 +163,13 @@ class EmbeddedSampler:
         static_argnames=('max_new_tokens', 'eos_id', 'pad_id', 'use_top_p'))
 
   def update_weights(self, state: nnx.State, version: int) -> None:
-    """Serve new weights in place; JAX arrays are immutable, so no copy is needed."""
-    self.state = state
+    """Serve new weights in place. JAX arrays are immutable, so on the trainer's own
+    devices no copy is needed; onto other devices it is one asynchronous transfer."""
+    self.state = self._place(state)
     self.version = version
+
+  def _place(self, state: nnx.State) -> nnx.State:
+    return state if self.shardings is None else jax.device_put(state, self.shardings)
 
   def generate(self, prompts: list[list[int]], keys: np.ndarray,
                params: SamplingParams) -> SampleBatch:

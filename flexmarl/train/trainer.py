@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -183,16 +184,28 @@ class AgentTrainer:
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
+    return self.dispatch_apply()()
+
+  def dispatch_apply(self) -> Callable[[], dict[str, float]]:
+    """Start one optimizer step over everything accumulated, without waiting for it.
+
+    `params` and `version` are the new ones at once (as arrays still being computed);
+    the returned function waits for the step and gives its per-token stats. In between
+    the caller may run other work, e.g. a rollout on other devices."""
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self.params, self.opt_state, grad_norm = self._apply(
         self.params, self.opt_state, self._grads, np.float32(tokens))
-    stats, grad_norm = jax.device_get((self._stats, grad_norm))
+    pending = self._stats
     self._grads, self._stats, self._tokens = None, [], 0
     self.version += 1
-    out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
-    return dict(out, grad_norm=float(grad_norm), trained_tokens=tokens)
+
+    def result() -> dict[str, float]:
+      stats, norm = jax.device_get((pending, grad_norm))
+      out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
+      return dict(out, grad_norm=float(norm), trained_tokens=tokens)
+    return result
 
   def train_state(self) -> dict:
     """What a checkpoint holds."""
