@@ -5,8 +5,12 @@ Run (CPU, embedded sampler):
     python -m flexmarl.main --config=experiments/hierarchical_assistant.py --workdir=runs/ha
 
 A laptop-sized smoke run (big_vision's `runlocal`):
-  python -m flexmarl.main --config=experiments/hierarchical_assistant.py:runlocal \
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python -m flexmarl.main --config=experiments/hierarchical_assistant.py:runlocal \
     --workdir=runs/ha_local
+
+Each agent trains on one device and rolls out on another (`rollout.devices=separate`):
+8 devices in all. On fewer, add `--config.rollout.devices=shared` (4 devices).
 
 Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 """
@@ -20,7 +24,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 1500
-  config.schedule = 'sync'
+  config.schedule = 'flexmarl'  # the micro-batch pipeline: the same parameters as 'sync'
   config.tokenizer = 'char'
   config.max_prompt_len = 8
   config.checkpoint_every = 250

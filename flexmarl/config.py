@@ -18,7 +18,8 @@ from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train.grpo import GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
-SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:k')
+ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
+SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 # Where each agent's rollout instance runs: on its training mesh, or on devices of its
 # own (the paper's separate rollout and training pools: generation never queues behind
 # the agent's own gradient work).
@@ -136,7 +137,7 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
 def parse_schedule(value: str) -> tuple[str, int]:
   """`config.schedule` → (schedule, max staleness): 'flexmarl' → ('flexmarl', 0),
   'async:2' → ('async', 2)."""
-  if value in SCHEDULES[:3]:
+  if value in ON_POLICY_SCHEDULES:
     return value, 0
   name, _, k = str(value).partition(':')
   if name == 'async':

@@ -24,11 +24,11 @@ The other schedules give the same numbers and differ only in *when* work runs:
 
 `async:k` trades exactness for overlap (bounded staleness). At the start of a step,
 every agent whose buffer holds a global batch trains on its oldest rows (dispatched
-to its training devices, not awaited) while the rollout of the step goes on serving the
-weights from before that update; the new weights are published when both are done. Rows are not dropped when
-a batch is full: they wait for the next one, as long as they are at most k versions
-older than the parameters they would update; older rows are dropped, never trained on,
-and counted (`stale_dropped`). The loss's importance ratio is taken against each row's
+to its training devices, not awaited) while the rollout of the step goes on serving
+the weights from before that update; the new weights are published when both are
+done. Rows are not dropped when a batch is full: they wait for the next one, as long
+as they are at most k versions older than the parameters they would update; older
+rows are dropped, never trained on, and counted (`stale_dropped`). The loss's importance ratio is taken against each row's
 behaviour logprobs, so it corrects for the lag. Which version serves which wave is
 fixed by the step count alone, so runs stay reproducible and resumable.
 
@@ -109,11 +109,16 @@ def group_ref(g: Group) -> dict:
 def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) -> list[Group]:
   """The groups `refs` name, read back from the agent's store table (one read)."""
   ids = [s for ref in refs for s in ref['sample_ids']]
-  rows = {r.sample_id: r for r in store.read(agent, sample_ids=ids, ready=('reward', 'advantage'))}
+  inconsistent = (f'agent {agent!r}: the checkpoint carries rows that the store does not hold '
+                  'with reward and advantage')
+  try:
+    rows = {r.sample_id: r for r in store.read(agent, sample_ids=ids,
+                                                ready=('reward', 'advantage'))}
+  except ValueError as e:  # rows missing altogether
+    raise RuntimeError(f'{inconsistent}: {e}. The workdir is inconsistent.') from e
   missing = [s for s in ids if s not in rows]
   if missing:
-    raise RuntimeError(f'agent {agent!r}: the checkpoint carries rows the store does not hold '
-                       f'with reward and advantage: {missing[:5]}; the workdir is inconsistent.')
+    raise RuntimeError(f'{inconsistent}: {missing[:5]}. The workdir is inconsistent.')
   out = []
   for ref in refs:
     mine = [rows[s] for s in ref['sample_ids']]
@@ -570,18 +575,19 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
 
 def write_summary(workdir: str, wall_s: float, window: int = 5) -> dict:
   """Per agent: reward and accuracy of its first update, and the mean over its last
-  `window` updates (single steps of small batches are noisy)."""
+  `window` updates (single steps of small batches are noisy); NaN for an agent that
+  has not updated yet."""
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   agents = sorted({l['agent'] for l in lines} - {TEAM})
   summary: dict = {'wall_s': wall_s, 'agents': {}}
   for agent in agents:
     mine = sorted((l for l in lines if l['agent'] == agent and l['updated']),
                   key=lambda l: l['step'])
-    last = mine[-window:]
+    first, last = mine[:1], mine[-window:]
+    mean = lambda ls, key: float(np.mean([l[key] for l in ls])) if ls else math.nan
     summary['agents'][agent] = {
-        'first_reward': mine[0]['reward_mean'], 'first_accuracy': mine[0]['accuracy'],
-        'last_reward': float(np.mean([l['reward_mean'] for l in last])),
-        'last_accuracy': float(np.mean([l['accuracy'] for l in last])),
+        'first_reward': mean(first, 'reward_mean'), 'first_accuracy': mean(first, 'accuracy'),
+        'last_reward': mean(last, 'reward_mean'), 'last_accuracy': mean(last, 'accuracy'),
         'updates': len(mine)}
   team = [l for l in lines if l['agent'] == TEAM]
   run_time = sum(l['step_time_s'] for l in team)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -62,3 +63,20 @@ def test_resume_matches_uninterrupted(tmp_path, schedule):
     pa, pb = _params(straight, agent, 6), _params(resumed, agent, 6)
     for u, v in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
       np.testing.assert_allclose(u, v, atol=1e-6)
+
+
+def test_resume_without_the_store_fails_clearly(tmp_path):
+  """Rows carried over a checkpoint live in the ExperienceStore: a workdir that lost its
+  store cannot resume silently with a different batch."""
+  config = two_agent_config(steps=1)  # the solver's 48 rows wait for its next batch
+  config.checkpoint_every = 1
+  workdir = str(tmp_path / 'run')
+  train(config, workdir, log=lambda *_: None)
+  shutil.rmtree(os.path.join(workdir, 'store'))
+  config.steps = 2
+  with pytest.raises(RuntimeError, match="agent 'solver'.*store does not hold"):
+    train(config, workdir, log=lambda *_: None)
+  # the first run's summary names the agent that has not updated yet
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    solver = json.load(f)['agents']['solver']
+  assert solver['updates'] == 0 and np.isnan(solver['first_reward'])

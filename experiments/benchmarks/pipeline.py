@@ -2,18 +2,21 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python experiments/benchmarks/pipeline.py [--steps=60] [--warmup=30] \
-      [--queries_per_wave=6] [--max_waves=8]
+      [--waves=24x1,6x8] [--rollout_devices=separate,shared]
 
 `sync`, `sync_parallel` and `flexmarl` give the same parameters (tests/test_schedules.py),
 so each one does exactly the same work; only its timing differs. `async:1` trains each
-batch while the next one rolls out (one version of lag, tests/test_staleness.py): the
-same amount of work, not the same numbers. Waves are smaller than in the
-default experiment so that a global batch fills over several waves, as it does when
-rollout concurrency is bounded: that is where micro-batches can start early. Each
-schedule runs twice: with each agent's rollout instance on its training device
-(`rollout.devices=shared`) and on a device of its own (`separate`, the paper's split
-pools; the default experiment's setting). Each run warms up (compiles every batch shape
-it meets) first; the timed steps follow. The last line is JSON.
+batch while the next one rolls out (one version of lag, tests/test_staleness.py): about
+the same amount of work, not the same numbers.
+
+`--waves=QxW`: Q queries a wave, at most W waves a step. `24x1` is the default
+experiment (one wave fills every batch, so micro-batches cannot start early); `6x8`
+bounds rollout concurrency so that a global batch fills over several waves, where the
+pipeline can start micro-batches early. `--rollout_devices`: each agent's rollout
+instance on a device of its own (`separate`, the paper's split pools and the default
+experiment's setting) or on its training device (`shared`). Each run warms up
+(compiles every batch shape it meets) first; the timed steps follow. The last line is
+JSON.
 """
 
 import importlib.util
@@ -24,16 +27,15 @@ import time
 
 from absl import app, flags, logging
 
-_STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per schedule.')
+_STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per run.')
 _WARMUP = flags.DEFINE_integer('warmup', 30, 'Untimed steps first (compilation).')
-_QUERIES = flags.DEFINE_integer('queries_per_wave', 6, 'Rollout concurrency (queries).')
-_WAVES = flags.DEFINE_integer('max_waves', 8, 'Waves a step may take to fill batches.')
+_WAVES = flags.DEFINE_list('waves', ['24x1', '6x8'], 'QUERIESxMAX_WAVES settings to time.')
+_DEVICES = flags.DEFINE_list('rollout_devices', ['separate'], 'rollout.devices settings.')
 
 SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:1')
-ROLLOUT_DEVICES = ('shared', 'separate')
 
 
-def step_time(schedule: str, rollout_devices: str) -> dict:
+def step_time(schedule: str, waves: str, rollout_devices: str) -> dict:
   from flexmarl.main import build
 
   spec_file = os.path.join(os.path.dirname(__file__), '..', 'hierarchical_assistant.py')
@@ -42,7 +44,7 @@ def step_time(schedule: str, rollout_devices: str) -> dict:
   module_spec.loader.exec_module(module)
   config = module.get_config()
   config.schedule = schedule
-  config.rollout.queries_per_wave, config.rollout.max_waves = _QUERIES.value, _WAVES.value
+  config.rollout.queries_per_wave, config.rollout.max_waves = map(int, waves.split('x'))
   config.rollout.devices = rollout_devices
   with tempfile.TemporaryDirectory() as workdir:
     orch = build(config, workdir)
@@ -64,16 +66,15 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   results = {}
-  for devices in ROLLOUT_DEVICES:
-    for schedule in SCHEDULES:
-      r = results[f'{schedule}/{devices}'] = step_time(schedule, devices)
-      print(f"{schedule:>14} {devices:>8}: {r['step_s'] * 1e3:.0f} ms/step (rollout "
-            f"{r['rollout_s'] * 1e3:.0f} ms, then training {r['after_rollout_s'] * 1e3:.0f} ms)",
-            flush=True)
-  base = results['sync/shared']['step_s']
-  for r in results.values():
-    r['speedup_vs_sync'] = base / r['step_s']
-  print(' '.join(f"{name}: {r['speedup_vs_sync']:.2f}x" for name, r in results.items()))
+  for devices in _DEVICES.value:
+    for waves in _WAVES.value:
+      for schedule in SCHEDULES:
+        name = f'{schedule} {waves} {devices}'
+        r = results[name] = step_time(schedule, waves, devices)
+        r['speedup_vs_sync'] = results[f'sync {waves} {devices}']['step_s'] / r['step_s']
+        print(f"{name:>26}: {r['step_s'] * 1e3:.0f} ms/step (rollout {r['rollout_s'] * 1e3:.0f} "
+              f"ms, then training {r['after_rollout_s'] * 1e3:.0f} ms), "
+              f"{r['speedup_vs_sync']:.2f}x sync", flush=True)
   print(json.dumps(results))
 
 
