@@ -131,6 +131,16 @@ def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) 
   return out
 
 
+def check_fits(group: Group, global_batch: int) -> None:
+  """A GRPO group is never split, so it must fit in one global batch."""
+  if group.size > global_batch:
+    raise ValueError(
+        f'agent {group.turn.agent!r}: query {group.turn.query_id} asked for a group of '
+        f'{group.size} samples (generate(n={group.size})), more than its global_batch='
+        f'{global_batch}; GRPO groups are never split: raise '
+        f'config.agents.{group.turn.agent}.global_batch or ask for fewer samples.')
+
+
 class BatchBuilder:
   """One agent's global batch at its current version, built group by group.
 
@@ -148,6 +158,7 @@ class BatchBuilder:
     self.cut = 0  # kept groups already handed out in micro-batches
 
   def add(self, group: Group) -> None:
+    check_fits(group, self.global_batch)
     if not self.full and self.kept_rows + group.size <= self.global_batch:
       self.kept.append(group)
       self.kept_rows += group.size
@@ -181,6 +192,7 @@ class StaleBuffer:
     self.kept: list[Group] = []
 
   def add(self, group: Group) -> None:
+    check_fits(group, self.global_batch)
     self.kept.append(group)
 
   def fresh_rows(self, version: int) -> int:
