@@ -492,7 +492,6 @@ class JointOrchestrator:
     """`async:k`: agents with a full buffer train while the rollout serves the weights
     from before those updates; publish when both are done."""
     t0 = time.perf_counter()
-    k = self.spec.max_staleness
     versions = {n: t.version for n, t in self.trainers.items()}
     dropped = {n: b.drop_stale(versions[n]) for n, b in self.builders.items()}
     batches = {n: b.take() for n, b in self.builders.items()
@@ -523,7 +522,7 @@ class JointOrchestrator:
     for name, buffer in self.builders.items():
       line = dict(batch_stats(served[name]), policy_version=versions[name],
                   tokens=tokens[name], updated=int(name in stats), stale_dropped=dropped[name],
-                  buffered_rows=sum(g.size for g in buffer.kept), max_staleness=k)
+                  buffered_rows=sum(g.size for g in buffer.kept))
       line.update(stats.get(name, {}))
       lines[name] = line
     return self._finish_step(lines, t0, rollout_s, queries)
