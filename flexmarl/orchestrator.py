@@ -195,14 +195,17 @@ class StaleBuffer:
     check_fits(group, self.global_batch)
     self.kept.append(group)
 
+  def _fresh(self, group: Group, version: int) -> bool:
+    return version - group.turn.version <= self.max_staleness
+
   def fresh_rows(self, version: int) -> int:
     """Rows that may still update parameters at `version`."""
-    return sum(g.size for g in self.kept if version - g.turn.version <= self.max_staleness)
+    return sum(g.size for g in self.kept if self._fresh(g, version))
 
   def drop_stale(self, version: int) -> int:
     """Drop the groups too old to update parameters at `version`; returns their rows."""
     before = sum(g.size for g in self.kept)
-    self.kept = [g for g in self.kept if version - g.turn.version <= self.max_staleness]
+    self.kept = [g for g in self.kept if self._fresh(g, version)]
     return before - sum(g.size for g in self.kept)
 
   def take(self) -> list[list[Group]]:
@@ -232,18 +235,11 @@ def device_slices(spec: TeamSpec, devices: Sequence[jax.Device]
 
   Returns (training devices, rollout devices) per agent; shared rollout devices are
   the training ones."""
-  train, rollout, start = {}, {}, 0
-  for name, a in spec.agents.items():
-    count = a.mesh_shape[0] * a.mesh_shape[1]
-    train[name] = list(devices[start:start + count])
-    start += count
-  for name, a in spec.agents.items():
-    if spec.separate_rollout_devices:
-      count = a.mesh_shape[0] * a.mesh_shape[1]
-      rollout[name] = list(devices[start:start + count])
-      start += count
-    else:
-      rollout[name] = train[name]
+  free = iter(devices)
+  take = lambda a: [next(free) for _ in range(a.mesh_shape[0] * a.mesh_shape[1])]
+  train = {name: take(a) for name, a in spec.agents.items()}
+  rollout = ({name: take(a) for name, a in spec.agents.items()}
+             if spec.separate_rollout_devices else train)
   return train, rollout
 
 

@@ -68,9 +68,8 @@ def test_every_served_row_is_trained_once_dropped_or_still_buffered(run):
 
 
 def test_training_overlaps_the_rollout_of_the_next_version(run):
-  """Rows trained at a step were served at the previous one, on the weights of before
-  that step's update: each agent's first update sees only version-0 rows, and every
-  agent updates on every step its buffer was full."""
+  """Nothing is served before the first step, so no agent updates in it; each agent's
+  first update trains only on version-0 rows; versions count the agent's updates."""
   workdir, seen = run
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   for agent in ('solver', 'verifier'):
