@@ -17,7 +17,7 @@ Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 
 import ml_collections
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -41,8 +41,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                  'add': {'max_operand': 4}},
   )
   # Rollout instances on devices of their own, as in the paper: generation never waits
-  # behind an agent's gradient work (4 training + 4 rollout devices).
-  config.rollout = dict(queries_per_wave=24, max_waves=1, devices='separate')
+  # behind an agent's gradient work (4 training + 4 rollout devices). Up to 24 queries
+  # in flight; a step ends as soon as every agent's batch is full.
+  config.rollout = rollout_config(devices='separate', query_concurrency=24,
+                                  max_step_queries=96)
 
   def agent(group_size: int, global_batch: int, max_new_tokens: int) -> ml_collections.ConfigDict:
     # An entropy bonus of 0.1 keeps tiny policies from collapsing onto one answer in

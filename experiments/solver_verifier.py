@@ -9,7 +9,7 @@ Smoke run: `--config=experiments/solver_verifier.py:runlocal`.
 
 import ml_collections
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -22,7 +22,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.checkpoint_every = 100
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
-  config.rollout = dict(queries_per_wave=8, max_waves=4, devices='separate')  # 2 + 2 devices
+  config.rollout = rollout_config(devices='separate', query_concurrency=8,  # 2 + 2 devices
+                                  max_step_queries=32)
   grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=300,
               normalize_std=True)
   config.agents = dict(

@@ -13,21 +13,20 @@ from typing import Any
 
 import ml_collections
 
+from flexmarl import placement as placement_lib
+from flexmarl.errors import ConfigError
 from flexmarl.models.transformer import PRESETS, ModelConfig
+from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train.grpo import GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
-# Where each agent's rollout instance runs: on its training mesh, or on devices of its
-# own (the paper's separate rollout and training pools: generation never queues behind
-# the agent's own gradient work).
-ROLLOUT_DEVICES = ('shared', 'separate')
+BACKENDS = ('embedded',)
 
-
-class ConfigError(ValueError):
-  """A config field is wrong; the message names the field, the value and the fix."""
+__all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'agent_config',
+           'rollout_config', 'build_team_spec', 'parse_schedule']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +40,28 @@ class AgentSpec:
   global_batch: int  # rows (samples) per optimizer step
   micro_batch: int  # rows per gradient accumulation
   mesh_shape: tuple[int, int]  # (data, model)
+  train_devices: tuple[int, ...]  # explicit device ids, or () to derive
+  instances: int  # rollout instances at start
+  min_instances: int  # the balancer never takes the agent below this
+  max_instances: int  # ... nor above this
+  instance_devices: tuple[tuple[int, ...], ...]  # explicit, one tuple per instance, or ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """How the rollout tier serves queries (see `rollout_config`)."""
+
+  backend: str
+  devices: str  # 'shared' | 'separate'
+  admission: str  # 'stream' | 'waves'
+  query_concurrency: int
+  max_step_queries: int
+  max_batch: int
+  balance: bool
+  balance_threshold: float
+  balance_cooldown_s: float
+  sticky_conversations: bool
+  query_timeout_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +73,39 @@ class TeamSpec:
   max_prompt_len: int
   tokenizer: str
   agents: Mapping[str, AgentSpec]
-  queries_per_wave: int
-  max_waves: int
-  separate_rollout_devices: bool
+  rollout: RolloutSpec
+  placement: placement_lib.Placement
   checkpoint_every: int
+
+
+def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
+  """Default rollout config; experiment files start from it and override fields.
+
+  - backend: 'embedded' (the JAX sampler).
+  - devices: 'separate' gives every rollout instance devices of its own (the paper's
+    separate rollout and training pools: generation never queues behind gradient
+    work); 'shared' runs an agent's instances on its training devices.
+  - admission: 'stream' keeps `query_concurrency` queries in flight and refills a
+    finished query's slot at once; 'waves' is the lockstep engine (a wave of
+    `query_concurrency` queries, each agent's requests served in one blocking call per
+    round), kept for comparison.
+  - max_step_queries: the most queries one step may consume (a step ends earlier, as
+    soon as every agent's batch is full).
+  - max_batch: rows per generate call of one instance; requests that arrive while it
+    is busy join its next batch.
+  - balance: move idle instances from cold agents to hot ones when their load per
+    instance differs by more than `balance_threshold`× (the paper's Δ = 5), at most
+    once per `balance_cooldown_s`.
+  - sticky_conversations: keep a query's turns on one instance (for prefix caches).
+  - query_timeout_s: a query running longer is an error naming it (0: no limit).
+  """
+  cfg = ml_collections.ConfigDict(dict(
+      backend='embedded', devices='shared', admission='stream', query_concurrency=8,
+      max_step_queries=256, max_batch=256, balance=True, balance_threshold=5.0,
+      balance_cooldown_s=0.5, sticky_conversations=False, query_timeout_s=0.0))
+  for key, value in overrides.items():
+    cfg[key] = value
+  return cfg
 
 
 def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:
@@ -67,6 +117,10 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       global_batch=64,
       micro_batch=16,
       mesh_shape=(1, 1),
+      train_devices=(),  # explicit jax device ids of the training mesh; () derives them
+      # Rollout instances: how many at start, the balancer's bounds (max 0: no bound),
+      # and optionally explicit device ids per instance.
+      rollout=dict(instances=1, min_instances=1, max_instances=0, devices=()),
       sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=4),
       optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
                      decay_steps=0, final_lr_fraction=0.1),
@@ -125,13 +179,43 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
     _fail(f'{f}.sampling.max_new_tokens', s.max_new_tokens, 'must be >= 1.')
   if a.optimizer.learning_rate <= 0:
     _fail(f'{f}.optimizer.learning_rate', a.optimizer.learning_rate, 'must be > 0.')
+  r = a.get('rollout', ml_collections.ConfigDict(dict(instances=1)))
+  instances = r.get('instances', 1)
+  lo, hi = r.get('min_instances', 1), r.get('max_instances', 0) or 2**31
+  if not 1 <= lo <= instances <= hi:
+    _fail(f'{f}.rollout', dict(instances=instances, min_instances=lo, max_instances=hi),
+          'need 1 <= min_instances <= instances <= max_instances (max_instances 0: no bound).')
   return AgentSpec(
       name=name, model=model_cfg,
       sampling=SamplingParams(**s.to_dict()),
       optimizer=OptimizerConfig(**a.optimizer.to_dict()),
       grpo=GRPOConfig(temperature=s.temperature, **a.grpo.to_dict()),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
-      mesh_shape=mesh)
+      mesh_shape=mesh, train_devices=tuple(a.get('train_devices', ())), instances=instances,
+      min_instances=lo, max_instances=hi,
+      instance_devices=tuple(tuple(d) for d in r.get('devices', ())))
+
+
+def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
+  cfg = rollout_config()
+  for key, value in r.items():
+    if key not in cfg:
+      _fail(f'rollout.{key}', value, f'unknown field; rollout fields are {sorted(cfg)}.')
+    cfg[key] = value
+  if cfg.backend not in BACKENDS:
+    _fail('rollout.backend', cfg.backend, f'choose one of {list(BACKENDS)}.')
+  if cfg.admission not in ADMISSIONS:
+    _fail('rollout.admission', cfg.admission, f'choose one of {list(ADMISSIONS)}.')
+  for key in ('query_concurrency', 'max_step_queries', 'max_batch'):
+    if cfg[key] < 1:
+      _fail(f'rollout.{key}', cfg[key], 'must be >= 1.')
+  if cfg.balance_threshold < 1:
+    _fail('rollout.balance_threshold', cfg.balance_threshold,
+          'must be >= 1 (a load ratio; the paper uses 5).')
+  for key in ('balance_cooldown_s', 'query_timeout_s'):
+    if cfg[key] < 0:
+      _fail(f'rollout.{key}', cfg[key], 'must be >= 0 seconds.')
+  return RolloutSpec(**cfg.to_dict())
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
@@ -149,9 +233,10 @@ def parse_schedule(value: str) -> tuple[str, int]:
   _fail('schedule', value, f'choose one of {list(SCHEDULES)}.')
 
 
-def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devices: int,
-                    workflow_agents: Sequence[str]) -> TeamSpec:
-  """Check the whole config; raise ConfigError on the first bad field."""
+def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
+                    device_ids: Sequence[int], workflow_agents: Sequence[str]) -> TeamSpec:
+  """Check the whole config and place the agents on `device_ids`; raise ConfigError on
+  the first bad field."""
   schedule, max_staleness = parse_schedule(config.schedule)
   if config.steps < 1:
     _fail('steps', config.steps, 'must be >= 1.')
@@ -164,28 +249,14 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devi
       _fail('workflow', name, f'the workflow calls agent {name!r}, which config.agents does '
             f'not define (defined: {sorted(config.agents)}); add it or rename it.')
   agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
-  r = config.rollout
-  if r.queries_per_wave < 1:
-    _fail('rollout.queries_per_wave', r.queries_per_wave, 'must be >= 1.')
-  if r.max_waves < 1:
-    _fail('rollout.max_waves', r.max_waves, 'must be >= 1.')
-  rollout_devices = r.get('devices', 'shared')
-  if rollout_devices not in ROLLOUT_DEVICES:
-    _fail('rollout.devices', rollout_devices, f'choose one of {list(ROLLOUT_DEVICES)}.')
-  separate = rollout_devices == 'separate'
-  needed = sum(s.mesh_shape[0] * s.mesh_shape[1] for s in agents.values()) * (1 + separate)
-  if needed > num_devices:
-    _fail('agents.*.mesh_shape', {n: s.mesh_shape for n, s in agents.items()},
-          f'the meshes need {needed} devices'
-          f'{" (training and rollout.devices=separate)" if separate else ""} but '
-          f'{num_devices} are available; shrink the meshes'
-          f'{", or set rollout.devices=shared" if separate else ""} (on CPU, set '
-          'XLA_FLAGS=--xla_force_host_platform_device_count=N first).')
+  rollout = _rollout_spec(config.rollout)
+  placement = placement_lib.derive(
+      {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
+                                    a.instance_devices) for n, a in agents.items()},
+      rollout.devices, device_ids)
   if config.checkpoint_every < 1:
     _fail('checkpoint_every', config.checkpoint_every, 'must be >= 1 (steps).')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
-                  max_staleness=max_staleness,
-                  max_prompt_len=config.max_prompt_len, tokenizer=config.tokenizer,
-                  agents=agents, queries_per_wave=r.queries_per_wave, max_waves=r.max_waves,
-                  separate_rollout_devices=separate,
-                  checkpoint_every=config.checkpoint_every)
+                  max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
+                  tokenizer=config.tokenizer, agents=agents, rollout=rollout,
+                  placement=placement, checkpoint_every=config.checkpoint_every)

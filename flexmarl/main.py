@@ -34,7 +34,7 @@ def build(config, workdir: str, workflow=None):
 
   tokenizer = load_tokenizer(config.tokenizer)
   workflow = workflow or build_workflow(config.workflow)
-  spec = build_team_spec(config, tokenizer.vocab_size, len(jax.devices()),
+  spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
                          workflow.agent_names())
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:

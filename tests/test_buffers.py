@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flexmarl.orchestrator import BatchBuilder, Group, StaleBuffer
+from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer
 from flexmarl.rollout.engine import Turn
 
 

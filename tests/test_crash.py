@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGENTS = ('solver', 'verifier')
 STEPS = 12
 FLAGS = [f'--config.steps={STEPS}', '--config.checkpoint_every=2',
-         '--config.rollout.queries_per_wave=4', '--config.rollout.max_waves=2']
+         '--config.rollout.query_concurrency=4', '--config.rollout.max_step_queries=8']
 
 
 def _train(workdir, kill_after_steps=None, delay=0.0):

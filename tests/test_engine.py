@@ -1,11 +1,13 @@
 """RolloutEngine: batching of concurrent workflows, turn records, workflow checks."""
 
 import asyncio
+import concurrent.futures
 
 import numpy as np
 import pytest
 
 from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
@@ -19,13 +21,24 @@ class EchoSampler:
   def __init__(self):
     self.version, self.calls = 0, []
 
-  def generate(self, prompts, keys, params):
+  def submit(self, prompts, keys, params):
     self.calls.append(len(prompts))
     tokens = np.array([[p[-1], TOK.eos_id] for p in prompts], np.int32)
-    return SampleBatch(tokens, np.full(tokens.shape, -0.5, np.float32), np.full(len(prompts), 2))
+    done = concurrent.futures.Future()
+    done.set_result(SampleBatch(tokens, np.full(tokens.shape, -0.5, np.float32),
+                                np.full(len(prompts), 2)))
+    return done
 
   def update_weights(self, state, version):
     self.version = version
+
+  def close(self):
+    pass
+
+
+def pools_of(samplers):
+  return {a: InstancePool(a, [Instance(f'{a}/0', (0,), s)], make_sampler=None)
+          for a, s in samplers.items()}
 
 
 class Fanout:
@@ -54,18 +67,19 @@ class Fanout:
     return ep
 
 
-def _engine():
+def _engine(admission='waves'):
   samplers = {'a': EchoSampler(), 'b': EchoSampler()}
   sp = SamplingParams(max_new_tokens=2)
-  return RolloutEngine(samplers, {'a': sp, 'b': sp}, {'a': 4, 'b': 3}, TOK, seed=0), samplers
+  return RolloutEngine(pools_of(samplers), {'a': sp, 'b': sp}, {'a': 4, 'b': 3}, TOK, seed=0,
+                       admission=admission), samplers
 
 
 def _queries(n):
   return [Query(f'q{i}', str(i % 10)) for i in range(n)]
 
 
-def test_concurrent_requests_are_batched_per_round_and_recorded():
-  engine, samplers = _engine()
+def test_lockstep_requests_are_batched_per_round_and_recorded():
+  engine, samplers = _engine('waves')
   results = engine.run(Fanout(), _queries(5))
   # round 1: all five `a` requests in one batch; round 2: all ten `b` branches in one.
   assert samplers['a'].calls == [5]

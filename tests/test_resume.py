@@ -37,7 +37,7 @@ def test_resume_matches_uninterrupted(tmp_path, schedule):
   if schedule == 'flexmarl':
     # Several waves a step, so that rows carried over a checkpoint were already
     # accumulated once before it (the resumed run must accumulate them again).
-    config.rollout.queries_per_wave, config.rollout.max_waves = 2, 2
+    config.rollout.query_concurrency, config.rollout.max_step_queries = 2, 4
   train(config, straight, log=quiet)
 
   config.steps = 3

@@ -20,11 +20,16 @@ def _config(schedule, rollout_devices='shared'):
   c.schedule = schedule
   c.rollout.devices = rollout_devices
   c.checkpoint_every = STEPS
-  # Small waves, so that a batch fills over several of them and the pipeline has
-  # micro-batches to start early. Global and micro batches differ between agents.
-  c.rollout.queries_per_wave, c.rollout.max_waves = 2, 8
-  c.agents.solver.global_batch, c.agents.solver.micro_batch = 32, 16  # 2 waves, 2 micro
-  c.agents.verifier.global_batch, c.agents.verifier.micro_batch = 64, 16  # 2 waves, 4 micro
+  # Streaming admission, two instances for the solver and a balancer that moves them
+  # eagerly. At most 3 queries a step: the verifier (16 rows a query, batch 48) fills
+  # on the third; the solver (8 rows a query, batch 32) carries 24 rows over, then
+  # fills on the next step's first query and is served surplus rows after that. Global
+  # and micro batches differ between agents.
+  c.rollout.query_concurrency, c.rollout.max_step_queries = 2, 3
+  c.rollout.balance, c.rollout.balance_threshold, c.rollout.balance_cooldown_s = True, 1.0, 0.0
+  c.agents.solver.rollout.instances = 2
+  c.agents.solver.global_batch, c.agents.solver.micro_batch = 32, 16  # 2 micro-batches
+  c.agents.verifier.global_batch, c.agents.verifier.micro_batch = 48, 16  # 3 micro-batches
   return c
 
 
@@ -63,11 +68,15 @@ def test_flexmarl_trains_during_rollout(runs):
   def early(workdir):
     return sum(l['early_micro_batches'] for l in _lines(workdir) if l['agent'] != 'team')
   assert early(runs['sync']) == 0
-  # the solver's first micro-batch (of two) and the verifier's first two (of four)
-  # are ready before the last wave of each step
-  assert early(runs['flexmarl']) >= STEPS * (1 + 2)
-  updates = [l['updated'] for l in _lines(runs['flexmarl']) if l['agent'] != 'team']
-  assert sum(updates) == 2 * STEPS
+  assert early(runs['flexmarl']) >= STEPS * 2
+
+
+def test_the_config_exercises_carried_rows_surplus_and_moves(runs):
+  lines = _lines(runs['flexmarl'])
+  solver = [l for l in lines if l['agent'] == 'solver']
+  assert [l['updated'] for l in solver] == [0, 1] * (STEPS // 2)  # carried, then full
+  assert sum(l.get('surplus_rows', 0) for l in solver) > 0
+  assert sum(l['rebalances'] for l in lines if l['agent'] == 'team') > 0
 
 
 def test_separate_rollout_devices_serve_the_published_weights(tmp_path):
@@ -75,15 +84,17 @@ def test_separate_rollout_devices_serve_the_published_weights(tmp_path):
   weights, on devices no trainer uses, and gets the new ones at every update."""
   orch = build(_config('flexmarl', 'separate'), str(tmp_path))
   try:
-    train_devices = {d for t in orch.trainers.values() for d in t.mesh.devices.flat}
+    train_devices = {d for a in orch.agents.values() for d in a.trainer.mesh.devices.flat}
     for _ in range(2):
       orch.run_step()
-    for name, trainer in orch.trainers.items():
-      sampler = orch.samplers[name]
-      assert sampler.version == trainer.version >= 1
-      for w, p in zip(jax.tree.leaves(sampler.state), jax.tree.leaves(trainer.params),
-                      strict=True):
-        assert not w.sharding.device_set & train_devices
-        np.testing.assert_array_equal(np.asarray(w), np.asarray(p))
+    for name, agent in orch.agents.items():
+      trainer = agent.trainer
+      for instance in agent.pool.instances:
+        sampler = instance.sampler
+        assert sampler.version == trainer.version >= 1
+        for w, p in zip(jax.tree.leaves(sampler.state), jax.tree.leaves(trainer.params),
+                        strict=True):
+          assert not w.sharding.device_set & train_devices
+          np.testing.assert_array_equal(np.asarray(w), np.asarray(p))
   finally:
     orch.close()

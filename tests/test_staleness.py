@@ -8,7 +8,7 @@ import pytest
 
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.team import Agent
 from flexmarl.store.experience_store import ExperienceStore
 from test_team import two_agent_config
 
@@ -20,19 +20,19 @@ def run(tmp_path_factory):
   """An `async:2` run, with every accumulated micro-batch seen from outside the
   orchestrator: (agent, version of the parameters it updates, its rows' versions)."""
   seen = []
-  original = JointOrchestrator.accumulate
+  original = Agent.accumulate
 
-  def spy(self, name, micro):
-    seen.append((name, self.trainers[name].version,
+  def spy(self, micro):
+    seen.append((self.name, self.version,
                  [(sid, g.turn.version) for g in micro for sid in g.turn.sample_ids]))
-    original(self, name, micro)
+    original(self, micro)
 
   workdir = str(tmp_path_factory.mktemp('async'))
   config = two_agent_config(steps=STEPS)
   config.schedule = f'async:{K}'
   config.checkpoint_every = STEPS
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(JointOrchestrator, 'accumulate', spy)
+    mp.setattr(Agent, 'accumulate', spy)
     train(config, workdir, log=lambda *_: None)
   return workdir, seen
 

@@ -7,7 +7,7 @@ import numpy as np
 import ml_collections
 import pytest
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, rollout_config
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
 
@@ -22,9 +22,9 @@ def two_agent_config(steps: int) -> ml_collections.ConfigDict:
   c.max_prompt_len, c.checkpoint_every = 8, 5
   c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier', family='add',
                     task_args={'max_operand': 2})
-  # One wave a step: the verifier (96 rows a wave, batch 64) trains every step; the
-  # solver (48 rows a wave, batch 64) every other step, carrying rows over in between.
-  c.rollout = dict(queries_per_wave=6, max_waves=1)
+  # At most 6 queries a step: the verifier (96 rows, batch 64) trains every step; the
+  # solver (48 rows, batch 64) every other step, carrying rows over in between.
+  c.rollout = rollout_config(query_concurrency=6, max_step_queries=6)
   grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=0,
               normalize_std=True)
   c.agents = dict(

@@ -1,11 +1,20 @@
-"""RolloutEngine: runs workflows concurrently and batches their requests.
+"""RolloutEngine: runs workflows as a stream and keeps every rollout instance busy.
 
-Every query's workflow runs as an asyncio task. When all of them are waiting on
-`generate`, the engine serves one *round*: per agent, it gathers the waiting
-requests (in query/turn order, so batches never depend on arrival timing), draws
-each sample with a key derived from (seed, agent, version, sample_id), and hands
-the completions back. It records every turn it served; `run` returns them with
-the workflow's scores, after checking the two agree.
+Every query's workflow runs as an asyncio task. Up to `concurrency` queries are in
+flight; a finished query's slot is refilled at once (`admission='stream'`), so a long
+answer delays only its own query. Each `generate` becomes a request routed to the
+least-loaded instance of its agent (`pool.py`); an instance that is busy queues it for
+its next batch. All busy instances generate at the same time; the engine collects
+whichever finishes first (through the clock), and a balancer may move idle instances
+from cold agents to hot ones between batches (`balancer.py`).
+
+Samples never depend on batching: each row's PRNG key comes from (seed, agent,
+version, sample_id). Results reach the caller in stream order, whatever order queries
+finish in, so what a step trains on depends only on the query stream.
+
+`admission='waves'` is the lockstep engine kept for comparison: a wave of
+`concurrency` queries at a time, and rounds in which each agent's waiting requests
+are generated in one blocking call, agent after agent.
 """
 
 from __future__ import annotations
@@ -13,13 +22,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.rollout.sampler import Sampler, SamplingParams, sample_key
+from flexmarl.clock import Clock, RealClock
+from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.pool import Instance, InstancePool, Request
+from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
+
+ADMISSIONS = ('stream', 'waves')
 
 
 @dataclasses.dataclass
@@ -42,17 +56,8 @@ class EpisodeResult:
   index: int  # position of the query in the run's stream
   turns: list[Turn]
   episode: Episode
-
-
-@dataclasses.dataclass
-class _Request:
-  index: int
-  query_id: str
-  turn: int
-  agent: str
-  prompt: str
-  n: int
-  future: asyncio.Future
+  started: float = 0.0  # clock time the query was admitted
+  finished: float = 0.0  # clock time its workflow returned
 
 
 class _Client:
@@ -68,47 +73,73 @@ class _Client:
 class _QueryContext:
 
   def __init__(self, engine: 'RolloutEngine', query: Query, index: int,
-               pending: list[_Request]):
-    self.engine, self.query, self.index, self.pending = engine, query, index, pending
+               requests: list[Request], started: float):
+    self.engine, self.query, self.index, self.requests = engine, query, index, requests
+    self.started = started
     self.turns: list[Turn] = []
+    self.waiting = 0  # generate calls not answered yet
     self._next_turn = 0
 
   def submit(self, agent: str, prompt: str, n: int | None) -> asyncio.Future:
-    if agent not in self.engine.samplers:
-      raise KeyError(f'workflow asked for agent {agent!r}; configured agents: '
-                     f'{sorted(self.engine.samplers)}.')
-    n = self.engine.group_sizes[agent] if n is None else n
-    if n < 1:
-      raise ValueError(f'generate(n={n}) for agent {agent!r}: n must be >= 1.')
+    engine = self.engine
+    if agent not in engine.pools:
+      raise KeyError(f'query {self.query.query_id}: the workflow asked for agent {agent!r}; '
+                     f'configured agents: {sorted(engine.pools)}.')
+    n = engine.group_sizes[agent] if n is None else n
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f'query {self.query.query_id}: generate(n={n!r}) for agent {agent!r}: '
+                       'n must be a whole number >= 1.')
+    ids = engine.tokenizer.encode(prompt)
     future = asyncio.get_running_loop().create_future()
-    self.pending.append(_Request(self.index, self.query.query_id, self._next_turn, agent,
-                                 prompt, n, future))
+    self.requests.append(Request(
+        self.index, self.query.query_id, self._next_turn, agent, ids, n,
+        len(ids) + n * engine.sampling[agent].max_new_tokens, future, self.turns))
     self._next_turn += 1
+    self.waiting += 1
+    future.add_done_callback(lambda _: setattr(self, 'waiting', self.waiting - 1))
     return future
 
 
 class RolloutEngine:
-  """Serves workflow requests from one sampler per agent."""
+  """Serves workflow requests from each agent's pool of rollout instances."""
 
-  def __init__(self, samplers: Mapping[str, Sampler], sampling: Mapping[str, SamplingParams],
-               group_sizes: Mapping[str, int], tokenizer: TextTokenizer, seed: int):
-    self.samplers = dict(samplers)
-    self.sampling = dict(sampling)
-    self.group_sizes = dict(group_sizes)
-    self.tokenizer = tokenizer
-    self.seed = seed
-    # One private loop for every rollout: a fresh loop per wave (asyncio.run) costs
-    # more than a small model's whole generation step.
+  def __init__(self, pools: Mapping[str, InstancePool], sampling: Mapping[str, SamplingParams],
+               group_sizes: Mapping[str, int], tokenizer: TextTokenizer, seed: int, *,
+               clock: Clock | None = None, concurrency: int = 8, admission: str = 'stream',
+               max_batch: int = 256, balancer: Balancer | None = None,
+               query_timeout_s: float = 0.0):
+    self.pools = dict(pools)
+    self.sampling, self.group_sizes = dict(sampling), dict(group_sizes)
+    self.tokenizer, self.seed = tokenizer, seed
+    self.clock = clock or RealClock()
+    self.concurrency, self.admission, self.max_batch = concurrency, admission, max_batch
+    self.balancer, self.query_timeout_s = balancer, query_timeout_s
+    # One private loop for every rollout: a fresh loop per call costs more than a small
+    # model's whole generation step.
     self._loop = asyncio.new_event_loop()
+
+  @property
+  def instances(self) -> list[Instance]:
+    return [i for p in self.pools.values() for i in p.instances]
 
   def run(self, workflow: Workflow, queries: Sequence[Query], first_index: int = 0
           ) -> list[EpisodeResult]:
-    """Roll out `queries` to completion; results in query order.
+    """Roll out a fixed list of queries to completion; results in query order."""
+    results: list[EpisodeResult] = []
+    self.stream(workflow, iter(enumerate(queries, first_index)),
+                lambda r: results.append(r) or False)
+    return results
+
+  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
+             consume: Callable[[EpisodeResult], bool]) -> int:
+    """Roll out queries from `source` ((stream index, query) pairs, consecutive); hand
+    each result to `consume` in stream order until it returns True or the source ends.
+    Queries still in flight then are abandoned. Returns how many results were consumed.
 
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
-    run = lambda: self._loop.run_until_complete(self._run(workflow, queries, first_index))
+    run = lambda: self._loop.run_until_complete(self._stream(workflow, source, consume))
     try:
       asyncio.get_running_loop()
     except RuntimeError:
@@ -116,74 +147,147 @@ class RolloutEngine:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       return pool.submit(run).result()
 
-  async def _run(self, workflow: Workflow, queries: Sequence[Query], first_index: int):
-    pending: list[_Request] = []
-    contexts = [_QueryContext(self, q, first_index + i, pending) for i, q in enumerate(queries)]
+  async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
+                    consume: Callable[[EpisodeResult], bool]) -> int:
+    requests: list[Request] = []
+    active: dict[int, tuple[_QueryContext, asyncio.Task]] = {}
+    finished: dict[int, EpisodeResult] = {}
+    expected, consumed, exhausted = None, 0, False
 
     async def episode(ctx: _QueryContext) -> Episode:
-      clients = {name: _Client(name, ctx) for name in self.samplers}
-      return await workflow.run(ctx.query, clients)
+      return await workflow.run(ctx.query, {name: _Client(name, ctx) for name in self.pools})
 
-    tasks = [asyncio.create_task(episode(ctx)) for ctx in contexts]
     try:
       while True:
-        await self._settle(tasks, pending)
-        if all(t.done() for t in tasks):
-          break
-        if pending:
-          batch, pending[:] = list(pending), []
-          self._serve(batch, contexts, first_index)
-        else:  # a workflow awaits something other than generate (a tool, a timer)
-          await asyncio.sleep(0.001)
-      episodes = [t.result() for t in tasks]  # raises the first workflow error
+        admit = not exhausted and (self.admission == 'stream' or not active)
+        while admit and len(active) < self.concurrency:
+          item = next(source, None)
+          if item is None:
+            exhausted = True
+            break
+          index, query = item
+          expected = index if expected is None else expected
+          ctx = _QueryContext(self, query, index, requests, self.clock.now())
+          active[index] = (ctx, asyncio.create_task(episode(ctx)))
+        await self._settle([t for _, t in active.values()], requests)
+        for index in [i for i, (_, t) in active.items() if t.done()]:
+          ctx, task = active.pop(index)
+          finished[index] = self._check(ctx, task.result(), self.clock.now())
+          for pool in self.pools.values():
+            pool.forget(ctx.query.query_id)
+        while expected in finished:
+          consumed += 1
+          expected += 1
+          if consume(finished.pop(expected - 1)):
+            return consumed
+        if exhausted and not active:
+          return consumed
+        if admit and len(active) < self.concurrency and not exhausted:
+          continue  # refill the slots of queries that just finished before serving
+        self._check_timeouts(active.values())
+        if self.admission == 'waves':
+          self._serve_round(requests)
+        else:
+          self._dispatch(requests)
+          others = any(ctx.waiting == 0 for ctx, _ in active.values())
+          await self._collect(timeout=0.002 if others or self.query_timeout_s else None)
     finally:
-      for t in tasks:
-        t.cancel()
-    return [self._check(ctx, ep) for ctx, ep in zip(contexts, episodes)]
+      for _, task in active.values():
+        task.cancel()
+      await asyncio.gather(*(t for _, t in active.values()), return_exceptions=True)
+      for inst in self.instances:  # requests of abandoned queries
+        inst.queue.clear()
+      requests.clear()
 
   @staticmethod
-  async def _settle(tasks, pending: list[_Request], quiet_rounds: int = 3) -> None:
+  async def _settle(tasks, requests: list[Request], quiet_rounds: int = 3) -> None:
     """Yield to the workflows until none makes progress for a few loop turns."""
     last, quiet = None, 0
     while quiet < quiet_rounds:
       await asyncio.sleep(0)
-      now = (len(pending), sum(t.done() for t in tasks))
+      now = (len(requests), sum(t.done() for t in tasks))
       quiet = quiet + 1 if now == last else 0
       last = now
 
-  def _serve(self, requests: list[_Request], contexts: list[_QueryContext],
-             first_index: int) -> None:
-    """One round: one batched generate per agent, requests in (query, turn) order."""
+  def _keys(self, request: Request, version: int) -> np.ndarray:
+    return np.stack([sample_key(self.seed, request.agent, version, s)
+                     for s in request.sample_ids])
+
+  def _dispatch(self, requests: list[Request]) -> None:
+    """Route new requests (in stream order), rebalance, start every idle instance."""
     requests.sort(key=lambda r: (r.index, r.turn))
-    for agent in self.samplers:
-      mine = [r for r in requests if r.agent == agent]
-      if not mine:
+    for r in requests:
+      self.pools[r.agent].route(r)
+    requests.clear()
+    now = self.clock.now()
+    if self.balancer is not None:
+      self._balance(now)
+    for pool in self.pools.values():
+      for inst in pool.instances:
+        inst.submit_next(self._keys, self.sampling[pool.agent], self.max_batch, now)
+
+  def _balance(self, now: float) -> None:
+    self.balancer.observe({a: float(p.outstanding) for a, p in self.pools.items()})
+    move = self.balancer.propose({a: len(p.instances) for a, p in self.pools.items()}, now)
+    if move is None:
+      return
+    inst = self.pools[move.source].release()
+    if inst is not None:
+      self.pools[move.target].adopt(inst)
+      self.balancer.moved(move, now)
+
+  async def _collect(self, timeout: float | None) -> None:
+    """Wait until some instance's batch is done (or `timeout`), then answer its requests."""
+    running = [i for i in self.instances if i.pending is not None]
+    if not running:  # the workflows wait on something other than generate
+      await asyncio.sleep(0.001)
+      return
+    done = {id(p) for p in self.clock.wait_any([i.pending for i in running], timeout)}
+    for inst in running:
+      if id(inst.pending) in done:
+        self._answer(inst)
+
+  def _serve_round(self, requests: list[Request]) -> None:
+    """Lockstep: each agent's waiting requests in one blocking call, agent after agent."""
+    requests.sort(key=lambda r: (r.index, r.turn))
+    for agent, pool in self.pools.items():
+      inst = pool.instances[0]
+      inst.queue.extend(r for r in requests if r.agent == agent)
+      inst.submit_next(self._keys, self.sampling[agent], max_batch=2**31, now=self.clock.now())
+      if inst.pending is not None:
+        self.clock.wait_any([inst.pending])
+        self._answer(inst)
+    requests.clear()
+
+  def _answer(self, inst: Instance) -> None:
+    """Record the finished batch's turns and answer their workflows."""
+    batch, out, version = inst.collect(self.clock.now())
+    row = 0
+    for r in batch:
+      rows = range(row, row + r.n)
+      row += r.n
+      if r.future.done():  # its query was abandoned
         continue
-      sampler = self.samplers[agent]
-      version = sampler.version
-      prompts, sample_ids = [], []
-      for r in mine:
-        ids = self.tokenizer.encode(r.prompt)
-        for j in range(r.n):
-          prompts.append(ids)
-          sample_ids.append(f'{r.query_id}_{r.turn}_{j}')
-      keys = np.stack([sample_key(self.seed, agent, version, s) for s in sample_ids])
-      out = sampler.generate(prompts, keys, self.sampling[agent])
-      row = 0
-      for r in mine:
-        rows = range(row, row + r.n)
-        row += r.n
-        tokens = [out.tokens[i, :out.lengths[i]] for i in rows]
-        turn = Turn(r.query_id, r.turn, agent, version, prompts[rows[0]],
-                    [sample_ids[i] for i in rows], tokens,
-                    [out.logprobs[i, :out.lengths[i]] for i in rows])
-        contexts[r.index - first_index].turns.append(turn)
-        r.future.set_result([
-            Completion(sid, agent, self.tokenizer.decode(t), version)
-            for sid, t in zip(turn.sample_ids, tokens)])
+      tokens = [out.tokens[i, :out.lengths[i]] for i in rows]
+      turn = Turn(r.query_id, r.turn, r.agent, version, r.prompt_ids, r.sample_ids, tokens,
+                  [out.logprobs[i, :out.lengths[i]] for i in rows])
+      r.turns.append(turn)
+      r.future.set_result([Completion(sid, r.agent, self.tokenizer.decode(t), version)
+                           for sid, t in zip(turn.sample_ids, tokens)])
+
+  def _check_timeouts(self, active) -> None:
+    if not self.query_timeout_s:
+      return
+    now = self.clock.now()
+    for ctx, _ in active:
+      if now - ctx.started > self.query_timeout_s:
+        raise TimeoutError(
+            f'query {ctx.query.query_id} has run {now - ctx.started:.1f}s, longer than '
+            f'config.rollout.query_timeout_s={self.query_timeout_s}: its workflow may await '
+            'something that never completes; fix the workflow or raise the limit.')
 
   @staticmethod
-  def _check(ctx: _QueryContext, episode: Episode) -> EpisodeResult:
+  def _check(ctx: _QueryContext, episode: Episode, now: float) -> EpisodeResult:
     if not isinstance(episode, Episode):
       raise TypeError(f'workflow.run returned {type(episode).__name__} for query '
                       f'{ctx.query.query_id}; it must return an Episode.')
@@ -198,4 +302,4 @@ class RolloutEngine:
                        f'{sorted(unscored)[:5]}; score every completion the workflow '
                        'received (episode.score(completion, reward)).')
     ctx.turns.sort(key=lambda t: t.turn)
-    return EpisodeResult(ctx.query, ctx.index, ctx.turns, episode)
+    return EpisodeResult(ctx.query, ctx.index, ctx.turns, episode, ctx.started, now)

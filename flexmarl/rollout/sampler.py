@@ -1,9 +1,11 @@
 """Samplers: the rollout backends behind one interface.
 
 A sampler turns a batch of prompts into sampled responses with the per-token
-logprobs of the sampled tokens, serving one policy version. Backends:
-`EmbeddedSampler` (batched, jitted, KV cache; runs anywhere JAX runs) and, later,
-vLLM engines. The rollout engine only sees the `Sampler` protocol.
+logprobs of the sampled tokens, serving one policy version. `submit` returns at
+once with a pending result, so the rollout engine keeps every instance busy and
+collects whichever finishes first. Backends: `EmbeddedSampler` (batched, jitted,
+KV cache; runs anywhere JAX runs) and vLLM engines (`vllm_sampler.py`). The
+rollout engine only sees the `Sampler` protocol.
 
 Randomness: every row brings its own key, derived from (seed, agent, version,
 sample_id) by the caller, so what a sample draws never depends on which other
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -42,17 +45,30 @@ class SampleBatch:
   lengths: np.ndarray
 
 
+class PendingSamples(Protocol):
+  """A submitted batch (`concurrent.futures.Future` satisfies this)."""
+
+  def done(self) -> bool:
+    """Non-blocking: is the result ready?"""
+
+  def result(self) -> SampleBatch:
+    """Block until the batch is generated; the host-side result."""
+
+
 class Sampler(Protocol):
-  """What the rollout engine needs from a backend."""
+  """What the rollout engine needs from a backend (one rollout instance)."""
 
   version: int
 
-  def generate(self, prompts: list[list[int]], keys: np.ndarray,
-               params: SamplingParams) -> SampleBatch:
-    ...
+  def submit(self, prompts: list[list[int]], keys: np.ndarray,
+             params: SamplingParams) -> PendingSamples:
+    """Start generating; returns as soon as the work is dispatched."""
 
-  def update_weights(self, state: nnx.State, version: int) -> None:
-    ...
+  def update_weights(self, state: dict, version: int) -> None:
+    """Serve `state` (the trainer's parameters, a pure dict) as `version` from now on."""
+
+  def close(self) -> None:
+    """Release the instance's resources."""
 
 
 def sample_key(seed: int, agent: str, version: int, sample_id: str) -> np.ndarray:
@@ -139,6 +155,28 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
   return tokens, logprobs, lengths
 
 
+def compile_generate(graphdef: nnx.GraphDef) -> Callable:
+  """The jitted sampling loop of one model; instances of the same model share it (and
+  so its compilations)."""
+  return jax.jit(functools.partial(generate_tokens, graphdef),
+                 static_argnames=('max_new_tokens', 'eos_id', 'pad_id', 'use_top_p'))
+
+
+@dataclasses.dataclass(eq=False)
+class _DevicePending:
+  """A batch dispatched to the devices: ready once its arrays are."""
+
+  arrays: tuple[jax.Array, jax.Array, jax.Array]
+  rows: int
+
+  def done(self) -> bool:
+    return all(x.is_ready() for x in self.arrays)
+
+  def result(self) -> SampleBatch:
+    tokens, logprobs, lengths = jax.device_get(self.arrays)
+    return SampleBatch(tokens[:self.rows], logprobs[:self.rows], lengths[:self.rows])
+
+
 class EmbeddedSampler:
   """The default backend: one jitted KV-cache sampling loop on the instance's devices.
 
@@ -146,21 +184,22 @@ class EmbeddedSampler:
   run compiles a handful of shapes once and then reuses them.
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, max_prompt_len: int,
+  def __init__(self, graphdef: nnx.GraphDef, state: dict, *, max_prompt_len: int,
                eos_id: int, pad_id: int, batch_multiple: int = 1, version: int = 0,
-               shardings=None):
+               shardings=None, generate_fn: Callable | None = None, min_batch: int = 16):
     """`shardings` (a tree like `state`): the instance's own devices, where published
-    weights are copied; None serves them where they already are."""
+    weights are copied; None serves them where they already are. `generate_fn`: the
+    model's `compile_generate`, shared between instances. Batches are padded to at
+    least `min_batch` rows: continuous batching makes every size from 1 up, and each
+    distinct size costs a compilation."""
     self.graphdef = graphdef
     self.shardings = shardings
     self.state = self._place(state)
     self.version = version
     self.max_prompt_len = max_prompt_len
     self.eos_id, self.pad_id = eos_id, pad_id
-    self.batch_multiple = batch_multiple
-    self._generate = jax.jit(
-        functools.partial(generate_tokens, graphdef),
-        static_argnames=('max_new_tokens', 'eos_id', 'pad_id', 'use_top_p'))
+    self.batch_multiple, self.min_batch = batch_multiple, min_batch
+    self._generate = generate_fn or compile_generate(graphdef)
 
   def update_weights(self, state: nnx.State, version: int) -> None:
     """Serve new weights in place. JAX arrays are immutable, so on the trainer's own
@@ -173,8 +212,14 @@ class EmbeddedSampler:
 
   def generate(self, prompts: list[list[int]], keys: np.ndarray,
                params: SamplingParams) -> SampleBatch:
+    """`submit` and wait: for callers outside the rollout engine."""
+    return self.submit(prompts, keys, params).result()
+
+  def submit(self, prompts: list[list[int]], keys: np.ndarray,
+             params: SamplingParams) -> PendingSamples:
+    """Dispatch the batch to the instance's devices; returns before it is computed."""
     n = len(prompts)
-    size = bucket(n, self.batch_multiple)
+    size = bucket(max(n, self.min_batch), self.batch_multiple)
     ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
     all_keys = np.zeros((size, 2), np.uint32)
@@ -183,5 +228,7 @@ class EmbeddedSampler:
         self.state, ids, mask, all_keys, np.float32(params.temperature),
         np.float32(params.top_p), max_new_tokens=params.max_new_tokens,
         eos_id=self.eos_id, pad_id=self.pad_id, use_top_p=params.top_p < 1.0)
-    tokens, logprobs, lengths = jax.device_get((tokens, logprobs, lengths))
-    return SampleBatch(tokens[:n], logprobs[:n], lengths[:n])
+    return _DevicePending((tokens, logprobs, lengths), n)
+
+  def close(self) -> None:
+    self.state = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from flexmarl.config import ConfigError
+from flexmarl.errors import ConfigError
 
 from flexmarl.workflows.base import Workflow
 from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant

@@ -1,0 +1,144 @@
+"""Groups and the batches cut from them.
+
+A `Group` is one served request with its rewards: the unit GRPO normalizes over. Each
+agent's groups arrive in stream order (query, then turn) and are cut into global
+batches and micro-batches by a `BatchBuilder` (on-policy schedules) or wait across
+steps in a `StaleBuffer` (`async:k`). The cut depends only on that order, never on
+timing, which is what makes every on-policy schedule give the same parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from flexmarl.rollout.engine import EpisodeResult, Turn
+from flexmarl.train import grpo
+
+
+@dataclasses.dataclass
+class Group:
+  """One served request with its rewards: the unit GRPO normalizes over."""
+
+  turn: Turn
+  rewards: np.ndarray
+  advantages: np.ndarray  # fixed once the group is complete, before any gradient
+  correct: np.ndarray  # 1.0 / 0.0 per sample, NaN where the workflow did not say
+
+  @property
+  def size(self) -> int:
+    return len(self.rewards)
+
+
+def groups_of(result: EpisodeResult, normalize_std: Mapping[str, bool]
+              ) -> dict[str, list[Group]]:
+  """Per agent (the keys of `normalize_std`), the groups of one query in turn order,
+  with their GRPO advantages."""
+  out: dict[str, list[Group]] = {a: [] for a in normalize_std}
+  for turn in result.turns:
+    rewards = np.array([result.episode.rewards[s] for s in turn.sample_ids], np.float32)
+    correct = np.array([float(result.episode.correct[s]) if s in result.episode.correct
+                        else np.nan for s in turn.sample_ids], np.float32)
+    adv = grpo.group_advantages(rewards, len(rewards), normalize_std[turn.agent])
+    out[turn.agent].append(Group(turn, rewards, adv, correct))
+  return out
+
+
+def check_fits(group: Group, global_batch: int) -> None:
+  """A GRPO group is never split, so it must fit in one global batch."""
+  if group.size > global_batch:
+    raise ValueError(
+        f'agent {group.turn.agent!r}: query {group.turn.query_id} asked for a group of '
+        f'{group.size} samples (generate(n={group.size})), more than its global_batch='
+        f'{global_batch}; GRPO groups are never split: raise '
+        f'config.agents.{group.turn.agent}.global_batch or ask for fewer samples.')
+
+
+class BatchBuilder:
+  """One agent's global batch at its current version, built group by group.
+
+  Groups arrive in (query, turn) order. Until the batch is full (the rows offered
+  reach `global_batch`), a group is kept while it fits in `global_batch` rows, else
+  counted as surplus; once it is full, every group is surplus. Kept groups are cut into
+  micro-batches of `micro_groups` groups, in order: the cut never depends on when
+  groups arrived.
+  """
+
+  def __init__(self, global_batch: int, micro_groups: int):
+    self.global_batch, self.micro_groups = global_batch, micro_groups
+    self.kept: list[Group] = []
+    self.kept_rows = self.surplus_rows = 0
+    self.cut = 0  # kept groups already handed out in micro-batches
+
+  def add(self, group: Group) -> None:
+    check_fits(group, self.global_batch)
+    if not self.full and self.kept_rows + group.size <= self.global_batch:
+      self.kept.append(group)
+      self.kept_rows += group.size
+    else:
+      self.surplus_rows += group.size
+
+  @property
+  def full(self) -> bool:
+    return self.kept_rows + self.surplus_rows >= self.global_batch
+
+  def micro_batches(self, final: bool = False) -> list[list[Group]]:
+    """The micro-batches completed since the last call (with `final`, the remainder too)."""
+    out = []
+    while len(self.kept) - self.cut >= self.micro_groups or (final and self.cut < len(self.kept)):
+      out.append(self.kept[self.cut:self.cut + self.micro_groups])
+      self.cut += len(out[-1])
+    return out
+
+
+class StaleBuffer:
+  """One agent's served groups under `async:k`, oldest first.
+
+  The rollout runs ahead of training, so a group may wait across steps. It is trained
+  on while its version is at most `max_staleness` behind the parameters it updates;
+  once it is older it is dropped (and counted), never trained on.
+  """
+
+  def __init__(self, global_batch: int, micro_groups: int, max_staleness: int):
+    self.global_batch, self.micro_groups = global_batch, micro_groups
+    self.max_staleness = max_staleness
+    self.kept: list[Group] = []
+
+  def add(self, group: Group) -> None:
+    check_fits(group, self.global_batch)
+    self.kept.append(group)
+
+  def _fresh(self, group: Group, version: int) -> bool:
+    return version - group.turn.version <= self.max_staleness
+
+  def fresh_rows(self, version: int) -> int:
+    """Rows that may still update parameters at `version`."""
+    return sum(g.size for g in self.kept if self._fresh(g, version))
+
+  def drop_stale(self, version: int) -> int:
+    """Drop the groups too old to update parameters at `version`; returns their rows."""
+    before = sum(g.size for g in self.kept)
+    self.kept = [g for g in self.kept if self._fresh(g, version)]
+    return before - sum(g.size for g in self.kept)
+
+  def take(self) -> list[list[Group]]:
+    """The oldest whole groups up to `global_batch` rows, cut into micro-batches."""
+    batch, rows = [], 0
+    while self.kept and rows + self.kept[0].size <= self.global_batch:
+      rows += self.kept[0].size
+      batch.append(self.kept.pop(0))
+    return [batch[i:i + self.micro_groups] for i in range(0, len(batch), self.micro_groups)]
+
+
+def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
+  """Reward mean/std and exact-match accuracy over the rows of `groups`."""
+  if not groups:
+    return dict(reward_mean=math.nan, reward_std=math.nan, accuracy=math.nan)
+  rewards = np.concatenate([g.rewards for g in groups])
+  correct = np.concatenate([g.correct for g in groups])
+  known = correct[~np.isnan(correct)]
+  return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+              accuracy=float(known.mean()) if known.size else math.nan)

@@ -1,0 +1,149 @@
+"""Rollout instances of an agent, and the router that spreads its requests.
+
+An `Instance` is one sampler on its devices with a queue: requests that reach it
+while it is busy join its next batch (up to `max_batch` rows). An `InstancePool`
+holds an agent's instances and the weights they serve; it routes each request to
+the instance with the least outstanding work, counted in tokens (prompt + n ×
+max_new_tokens), optionally keeping a conversation's turns on one instance. The
+routing decision is a pure function (`least_loaded`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+  """One `generate` call of a workflow: a GRPO group of `n` samples of one prompt."""
+
+  index: int  # the query's position in the run's stream
+  query_id: str
+  turn: int
+  agent: str
+  prompt_ids: list[int]
+  n: int
+  cost: int  # tokens it may occupy: prompt + n × max_new_tokens
+  future: asyncio.Future  # answered with the completions
+  turns: list  # the query's record of served turns, where this one is added
+
+  @property
+  def sample_ids(self) -> list[str]:
+    return [f'{self.query_id}_{self.turn}_{j}' for j in range(self.n)]
+
+
+def least_loaded(outstanding: Sequence[int]) -> int:
+  """The instance to route to: least outstanding tokens, lowest index on ties."""
+  return int(np.argmin(outstanding))
+
+
+class Instance:
+  """One sampler on its devices: a queue and at most one batch in flight."""
+
+  def __init__(self, name: str, devices: tuple[int, ...], sampler: Sampler):
+    """`name`: the instance's slot (its first agent and index); it keeps it when it
+    moves to another agent."""
+    self.name, self.devices, self.sampler = name, devices, sampler
+    self.queue: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.pending: PendingSamples | None = None
+    self.version = -1
+    self.started = 0.0
+    self.busy: list[tuple[float, float]] = []  # (start, end) of every batch it generated
+
+  @property
+  def outstanding(self) -> int:
+    return sum(r.cost for r in self.queue) + sum(r.cost for r in self.running)
+
+  @property
+  def idle(self) -> bool:
+    return self.pending is None and not self.queue
+
+  def submit_next(self, keys: Callable[[Request, int], np.ndarray], sampling: SamplingParams,
+                  max_batch: int, now: float) -> None:
+    """Start the next batch: queued requests in arrival order, up to `max_batch` rows
+    (at least one request). `keys(request, version)` gives its rows' PRNG keys."""
+    if self.pending is not None or not self.queue:
+      return
+    batch = [self.queue.popleft()]
+    rows = batch[0].n
+    while self.queue and rows + self.queue[0].n <= max_batch:
+      rows += self.queue[0].n
+      batch.append(self.queue.popleft())
+    self.version = self.sampler.version
+    prompts = [r.prompt_ids for r in batch for _ in range(r.n)]
+    all_keys = np.concatenate([keys(r, self.version) for r in batch])
+    self.running, self.started = batch, now
+    self.pending = self.sampler.submit(prompts, all_keys, sampling)
+
+  def collect(self, now: float) -> tuple[list[Request], SampleBatch, int]:
+    """The finished batch: its requests, the samples (rows in request order), version."""
+    out = self.pending.result()
+    batch, self.running, self.pending = self.running, [], None
+    self.busy.append((self.started, now))
+    return batch, out, self.version
+
+
+class InstancePool:
+  """An agent's rollout instances and the weights they serve.
+
+  `make_sampler(devices, params, version)` builds a sampler of this agent's model on
+  `devices` (used when an instance joins the pool from another agent)."""
+
+  def __init__(self, agent: str, instances: list[Instance],
+               make_sampler: Callable[[tuple[int, ...], dict, int], Sampler],
+               sticky: bool = False):
+    self.agent, self.instances, self.make_sampler = agent, instances, make_sampler
+    self.sticky = sticky
+    self._conversation: dict[str, Instance] = {}
+    self.params: dict | None = None
+    self.version = 0
+
+  @property
+  def outstanding(self) -> int:
+    return sum(i.outstanding for i in self.instances)
+
+  def publish(self, params: dict, version: int) -> None:
+    """Every instance serves `params` as `version` from its next batch on."""
+    self.params, self.version = params, version
+    for inst in self.instances:
+      inst.sampler.update_weights(params, version)
+
+  def route(self, request: Request) -> Instance:
+    """Queue `request` on the least-loaded instance (or its conversation's, if sticky)."""
+    inst = self._conversation.get(request.query_id) if self.sticky else None
+    if inst is None or inst not in self.instances:
+      inst = self.instances[least_loaded([i.outstanding for i in self.instances])]
+    if self.sticky:
+      self._conversation[request.query_id] = inst
+    inst.queue.append(request)
+    return inst
+
+  def forget(self, query_id: str) -> None:
+    self._conversation.pop(query_id, None)
+
+  def release(self) -> Instance | None:
+    """Take out an instance for another agent: an idle one, else None (try later).
+    Never the last one."""
+    idle = [i for i in self.instances if i.pending is None]
+    if len(self.instances) < 2 or not idle:
+      return None
+    inst = min(idle, key=lambda i: i.outstanding)
+    self.instances.remove(inst)
+    queued, inst.queue = list(inst.queue), collections.deque()
+    for r in queued:
+      self.route(r)
+    return inst
+
+  def adopt(self, inst: Instance) -> None:
+    """Serve this agent from `inst`: load the agent's current weights onto its devices."""
+    inst.sampler.close()
+    inst.sampler = self.make_sampler(inst.devices, self.params, self.version)
+    self.instances.append(inst)

@@ -1,0 +1,117 @@
+"""Agent: one agent's trainer, rollout instances and checkpointer; it publishes weights.
+
+`build_team` turns a checked TeamSpec and a Placement into agents: each trainer on its
+mesh, each rollout instance a sampler on its own devices (or on the training devices
+with `rollout.devices=shared`), weights copied there in the trainer's layout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from flexmarl.config import AgentSpec, TeamSpec
+from flexmarl.data.groups import Group
+from flexmarl.models import sharding
+from flexmarl.placement import Placement
+from flexmarl.rollout.pool import Instance, InstancePool
+from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
+from flexmarl.tokenizer import TextTokenizer
+from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.trainer import AgentTrainer, TrainBatch
+
+
+class Agent:
+
+  def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
+               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int):
+    self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
+    self.prompt_len, self.pad_id = prompt_len, pad_id
+
+  @property
+  def name(self) -> str:
+    return self.spec.name
+
+  @property
+  def version(self) -> int:
+    return self.trainer.version
+
+  def publish(self) -> None:
+    """Send the trainer's current weights to every rollout instance of the agent."""
+    self.pool.publish(self.trainer.params, self.trainer.version)
+
+  def accumulate(self, micro: Sequence[Group]) -> None:
+    """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
+    awaited: it runs on the training devices while the caller goes on)."""
+    trainer = self.trainer
+    self.trainer.accumulate(TrainBatch.from_rows(
+        [g.turn.prompt_ids for g in micro for _ in range(g.size)],
+        [t for g in micro for t in g.turn.tokens],
+        [lp for g in micro for lp in g.turn.logprobs],
+        np.concatenate([g.advantages for g in micro]),
+        prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
+        pad_id=self.pad_id, batch_multiple=trainer.batch_multiple))
+
+  def start_step(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
+                 ) -> Callable[[], dict[str, float]]:
+    """Accumulate `micro_batches` (those of `batch` not yet accumulated) and dispatch the
+    optimizer step without waiting; returns a function that waits and gives its stats.
+
+    Each row's staleness (versions between the one that sampled it and the parameters
+    it updates) is measured here, where the update happens."""
+    t0 = time.perf_counter()
+    lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
+    for micro in micro_batches:
+      self.accumulate(micro)
+    result = self.trainer.dispatch_apply()
+
+    def finish() -> dict[str, float]:
+      return dict(result(), train_s=time.perf_counter() - t0, rows=len(lags),
+                  staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+    return finish
+
+  def close(self) -> None:
+    self.checkpointer.wait()
+    for inst in self.pool.instances:
+      inst.sampler.close()
+
+
+def _sampler_factory(spec: AgentSpec, trainer: AgentTrainer, train_devices: tuple[int, ...],
+                     devices_by_id: Mapping[int, jax.Device], prompt_len: int,
+                     tokenizer: TextTokenizer) -> Callable[[tuple[int, ...], dict, int], Sampler]:
+  """Builds this agent's embedded sampler on given devices, in the trainer's layout.
+  Every instance of the agent shares one compiled sampling loop."""
+  generate_fn = compile_generate(trainer.graphdef)
+
+  def make(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
+    # On the trainer's own devices the published arrays are served as they are.
+    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], spec.mesh_shape)
+    layout = (None if tuple(devices) == tuple(train_devices)
+              else sharding.same_layout(trainer.shardings, mesh))
+    return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=prompt_len,
+                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                           batch_multiple=trainer.batch_multiple, version=version,
+                           shardings=layout, generate_fn=generate_fn)
+  return make
+
+
+def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, workdir: str,
+               devices: Sequence[jax.Device]) -> dict[str, Agent]:
+  """Every agent of `spec` on the devices `placement` gives it."""
+  by_id = {d.id: d for d in devices}
+  agents = {}
+  for i, (name, a) in enumerate(spec.agents.items()):
+    train = placement.train[name]
+    mesh = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape)
+    trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i)
+    make = _sampler_factory(a, trainer, train.devices, by_id, spec.max_prompt_len, tokenizer)
+    instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
+                 for j, m in enumerate(placement.rollout[name])]
+    pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
+    pool.params = trainer.params
+    agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
+                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id)
+  return agents

@@ -1,0 +1,228 @@
+"""The streaming rollout tier: admission, concurrent instances, routing, balancing."""
+
+import asyncio
+import concurrent.futures
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from flexmarl.models import sharding, transformer
+from flexmarl.rollout import balancer as bal
+from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.pool import Instance, InstancePool, Request, least_loaded
+from flexmarl.rollout.sampler import EmbeddedSampler, SampleBatch, SamplingParams, sample_key
+from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.workflows.base import Episode, Query
+
+TOK = build_char_tokenizer()
+SP = SamplingParams(max_new_tokens=2)
+
+
+class SlowEcho:
+  """Answers each prompt with its last character after `delay_s`, on a thread."""
+
+  def __init__(self, delay_s=0.02):
+    self.version, self.delay_s = 0, delay_s
+
+  def submit(self, prompts, keys, params):
+    future = concurrent.futures.Future()
+    tokens = np.array([[p[-1], TOK.eos_id] for p in prompts], np.int32)
+    out = SampleBatch(tokens, np.full(tokens.shape, -0.5, np.float32), np.full(len(prompts), 2))
+    threading.Timer(self.delay_s, future.set_result, (out,)).start()
+    return future
+
+  def update_weights(self, state, version):
+    self.version = version
+
+  def close(self):
+    pass
+
+
+class Turns:
+  """Query 'long' talks to agent a five times in a row; every other query once."""
+
+  def agent_names(self):
+    return ['a']
+
+  async def run(self, query, agents):
+    ep = Episode()
+    for _ in range(5 if query.prompt == 'long' else 1):
+      for c in await agents['a'].generate('x', n=1):
+        ep.score(c, 1.0)
+    return ep
+
+
+def _single_pool_engine(admission, concurrency=2):
+  pool = InstancePool('a', [Instance('a/0', (0,), SlowEcho())], make_sampler=None)
+  return RolloutEngine({'a': pool}, {'a': SP}, {'a': 1}, TOK, seed=0,
+                       concurrency=concurrency, admission=admission)
+
+
+@pytest.mark.parametrize('admission', ['stream', 'waves'])
+def test_a_long_query_holds_back_later_ones_only_in_waves(admission):
+  queries = [Query('q0', 'long')] + [Query(f'q{i}', 'short') for i in range(1, 4)]
+  results = _single_pool_engine(admission).run(Turns(), queries)
+  assert [r.query.query_id for r in results] == ['q0', 'q1', 'q2', 'q3']  # stream order
+  finished = {r.query.query_id: r.finished for r in results}
+  if admission == 'stream':  # q2 and q3 took q1's slot, one after the other
+    assert finished['q1'] < finished['q2'] < finished['q3'] < finished['q0']
+  else:  # q2 waits for the whole first wave, q0 included
+    assert finished['q2'] > finished['q0']
+
+
+def test_results_are_consumed_in_stream_order_and_the_rest_abandoned():
+  engine = _single_pool_engine('stream', concurrency=3)
+  seen = []
+  source = ((i, Query(f'q{i}', 'long' if i == 0 else 'short')) for i in range(100))
+  consumed = engine.stream(Turns(), source, lambda r: seen.append(r.index) or len(seen) == 3)
+  assert consumed == 3 and seen == [0, 1, 2]
+  assert all(not i.queue for i in engine.instances)
+
+
+def _tiny(seed, devices):
+  cfg = transformer.ModelConfig(**transformer.PRESETS['tiny'], vocab_size=TOK.vocab_size)
+  graphdef, state = nnx.split(transformer.Decoder(cfg, nnx.Rngs(params=seed)))
+  mesh = sharding.make_mesh(devices, (1, 1))
+  shardings = sharding.param_shardings(state, mesh)
+  params = jax.device_put(nnx.to_pure_dict(state), shardings)
+  return graphdef, params, shardings
+
+
+def _embedded(graphdef, params, shardings, device, version=0):
+  mesh = sharding.make_mesh([device], (1, 1))
+  return EmbeddedSampler(graphdef, params, max_prompt_len=8, eos_id=TOK.eos_id,
+                         pad_id=TOK.pad_id, version=version,
+                         shardings=sharding.same_layout(shardings, mesh))
+
+
+class Both:
+  """Every query asks agents a and b at the same time."""
+
+  def agent_names(self):
+    return ['a', 'b']
+
+  async def run(self, query, agents):
+    ep = Episode()
+    for group in await asyncio.gather(agents['a'].generate('1+2='),
+                                      agents['b'].generate('2+1=')):
+      for c in group:
+        ep.score(c, 0.0)
+    return ep
+
+
+@pytest.mark.parametrize('admission', ['stream', 'waves'])
+def test_instances_of_two_agents_generate_at_the_same_time(admission):
+  devices = jax.devices()
+  pools = {}
+  for i, name in enumerate('ab'):
+    graphdef, params, shardings = _tiny(i, devices[i:i + 1])
+    sampler = _embedded(graphdef, params, shardings, devices[4 + i])
+    pools[name] = InstancePool(name, [Instance(f'{name}/0', (4 + i,), sampler)], None)
+  sp = SamplingParams(max_new_tokens=24)
+  engine = RolloutEngine(pools, {'a': sp, 'b': sp}, {'a': 64, 'b': 64}, TOK, seed=0,
+                         concurrency=4, admission=admission)
+  queries = [Query(f'q{i}', '') for i in range(4)]
+  engine.run(Both(), queries)  # compile
+  engine.run(Both(), queries)
+  [a], [b] = pools['a'].instances, pools['b'].instances
+  overlap = lambda x, y: x[0] < y[1] and y[0] < x[1]
+  overlapping = sum(overlap(x, y) for x in a.busy[-4:] for y in b.busy[-4:])
+  if admission == 'stream':
+    assert overlapping > 0
+  else:  # lockstep: agent after agent, each call blocking
+    assert overlapping == 0
+
+
+def _request(i, cost):
+  return Request(0, f'q{i}', 0, 'a', [1], 1, cost, future=None, turns=[])
+
+
+def test_router_keeps_outstanding_tokens_within_one_request():
+  class Never:
+    version = 0
+
+  pool = InstancePool('a', [Instance(f'a/{i}', (i,), Never()) for i in range(3)], None)
+  rng = np.random.default_rng(0)
+  biggest = 0
+  for i in range(200):
+    cost = int(rng.integers(1, 50))
+    biggest = max(biggest, cost)
+    pool.route(_request(i, cost))
+    loads = [inst.outstanding for inst in pool.instances]
+    assert max(loads) - min(loads) <= biggest
+  assert least_loaded([5, 3, 3]) == 1
+
+
+def test_sticky_conversations_stay_on_one_instance():
+  class Never:
+    version = 0
+
+  pool = InstancePool('a', [Instance(f'a/{i}', (i,), Never()) for i in range(2)], None,
+                      sticky=True)
+  first = pool.route(_request(0, 10))
+  pool.route(_request(1, 100))
+  assert pool.route(_request(0, 10)) is first
+
+
+LIMITS = {a: bal.Limits(1, 4, (1, 1)) for a in 'abc'}
+
+
+def test_balancer_moves_toward_the_hot_agent_and_respects_minimums():
+  move = bal.decide({'a': 1000.0, 'b': 10.0, 'c': 50.0}, {'a': 1, 'b': 2, 'c': 2}, LIMITS, 5.0)
+  assert (move.source, move.target) == ('b', 'a')
+  # b and c at their minimum: nothing to give
+  assert bal.decide({'a': 1000.0, 'b': 0.0, 'c': 0.0}, {'a': 1, 'b': 1, 'c': 1}, LIMITS, 5) is None
+  # below the threshold: no move
+  assert bal.decide({'a': 40.0, 'b': 20.0, 'c': 20.0}, {'a': 1, 'b': 2, 'c': 2}, LIMITS, 5) is None
+  # the hot agent at its maximum: the next hottest gets it
+  limits = dict(LIMITS, a=bal.Limits(1, 1, (1, 1)))
+  move = bal.decide({'a': 1000.0, 'b': 0.0, 'c': 500.0}, {'a': 1, 'b': 2, 'c': 1}, limits, 5)
+  assert (move.source, move.target) == ('b', 'c')
+  # instances only move between agents of the same shape
+  limits = dict(LIMITS, b=bal.Limits(1, 4, (2, 1)), c=bal.Limits(1, 4, (2, 1)))
+  assert bal.decide({'a': 1000.0, 'b': 0.0, 'c': 0.0}, {'a': 1, 'b': 2, 'c': 2}, limits, 5) is None
+
+
+def test_balancer_cooldown_stops_thrashing():
+  b = bal.Balancer(LIMITS, threshold=5.0, cooldown_s=1.0, smoothing=0.0)
+  b.observe({'a': 1000.0, 'b': 0.0, 'c': 0.0})
+  counts = {'a': 1, 'b': 2, 'c': 2}
+  move = b.propose(counts, now=10.0)
+  assert move is not None
+  b.moved(move, now=10.0)
+  assert b.propose(counts, now=10.5) is None
+  assert b.propose(counts, now=11.1) is not None
+  assert b.log[0]['source'] in 'bc' and b.log[0]['target'] == 'a' and b.log[0]['time'] == 10.0
+
+
+def test_a_moved_instance_serves_the_receiving_agents_current_weights():
+  devices = jax.devices()
+  models = {name: _tiny(i, devices[i:i + 1]) for i, name in enumerate('ab')}
+
+  def factory(name):
+    graphdef, _, shardings = models[name]
+    return lambda devs, params, version: _embedded(graphdef, params, shardings,
+                                                   devices[devs[0]], version)
+
+  pools = {name: InstancePool(name, [], factory(name)) for name in 'ab'}
+  for name, version in (('a', 3), ('b', 7)):
+    pools[name].params, pools[name].version = models[name][1], version
+  for i, name in ((4, 'a'), (5, 'a'), (6, 'b')):
+    pools[name].instances.append(
+        Instance(f'{name}/{i}', (i,), pools[name].make_sampler((i,), pools[name].params,
+                                                               pools[name].version)))
+  moved = pools['a'].release()
+  assert moved is not None and len(pools['a'].instances) == 1
+  pools['b'].adopt(moved)
+  assert moved.sampler.version == 7 and len(pools['b'].instances) == 2
+  prompts = [TOK.encode('3+4=')] * 4
+  keys = np.stack([sample_key(0, 'b', 7, f's{i}') for i in range(4)])
+  sp = SamplingParams(max_new_tokens=4)
+  theirs = pools['b'].instances[0].sampler.generate(prompts, keys, sp)
+  ours = moved.sampler.generate(prompts, keys, sp)
+  np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+  np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-6)
+  assert set(jax.tree.leaves(moved.sampler.state)[0].sharding.device_set) == {devices[moved.devices[0]]}
