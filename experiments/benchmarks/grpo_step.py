@@ -29,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_prompt_len, c.checkpoint_every = 8, 10**6
   c.workflow = dict(name='single_task', agent='solver', family='add',
                     task_args={'max_operand': 9})
-  c.rollout = dict(queries_per_wave=16, max_waves=1)
+  c.rollout = dict(query_concurrency=16, max_step_queries=16)
   c.agents = dict(solver=agent_config(
       'small', group_size=8, global_batch=128, micro_batch=128,
       sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=8),
@@ -51,7 +51,8 @@ def main(argv):
   config = get_config()
   tokenizer = load_tokenizer(config.tokenizer)
   workflow = build_workflow(config.workflow)
-  spec = build_team_spec(config, tokenizer.vocab_size, len(jax.devices()), workflow.agent_names())
+  spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
+                         workflow.agent_names())
   with tempfile.TemporaryDirectory() as workdir:
     orch = JointOrchestrator(spec, workflow, tokenizer, workdir)
     t0 = time.perf_counter()
