@@ -2,6 +2,7 @@
 
 import pytest
 
+from experiments.sim import category_assistant, merchant_assistant, scalability
 from flexmarl.sim import costs
 from flexmarl.sim.specs import ASCEND_910C_DIE, QWEN25_14B, QWEN25_32B, Accelerator, ModelSpec, model
 
@@ -61,3 +62,34 @@ def test_train_swap_and_sync_times_by_hand():
   assert costs.weight_sync_time(QWEN25_14B, 2, ASCEND_910C_DIE) == pytest.approx(
       2 * 14_770_033_664 / 50e9)
   assert costs.transfer_time(1e9, 1e9, latency_s=0.5) == 1.5
+
+
+def _setups():
+  yield 'merchant', merchant_assistant.get_config()
+  yield 'category', category_assistant.get_config()
+  for mix in scalability.MIXES:
+    yield mix, scalability.get_config(mix)
+
+
+def test_paper_setups_fit_the_cluster_they_describe():
+  models = {}
+  for name, c in _setups():
+    accel = ASCEND_910C_DIE
+    assert c.cluster.rollout_nodes + c.cluster.train_nodes == c.cluster.nodes == 48
+    assert c.cluster.devices_per_node == 16 and accel.memory_bytes == 64e9
+    assert (c.global_batch, c.micro_batch, c.query_parallelism, c.branch_parallelism,
+            c.balance_threshold) == (64, 16, 4, 16, 5)
+    for a in c.agents.values():
+      m = model(a.model)
+      # bf16 weights take at most 60 % of an instance's memory (the rest is KV cache),
+      # and the train state (14 bytes/param) fits the training mesh.
+      assert costs.param_bytes(m) <= 0.6 * a.rollout_tp * accel.memory_bytes, (name, a.model)
+      assert costs.train_state_bytes(m) <= 0.8 * a.train_devices * accel.memory_bytes
+      assert c.micro_batch % a.group_size == 0
+    assert set(c.workflow.specialists) | {c.workflow.router} == set(c.agents)
+    models[name] = sorted(a.model for a in c.agents.values())
+  assert models['5x32b'] == ['qwen2.5-32b'] * 5
+  assert models['3x32b+7x14b'] == ['qwen2.5-14b'] * 7 + ['qwen2.5-32b'] * 3
+  assert models['15x14b'] == ['qwen2.5-14b'] * 15
+  assert {'qwen2.5-14b', 'qwen2.5-32b'} == set(models['category'])
+  assert merchant_assistant.get_config().paper.step_time_s.flexmarl == 126.1
