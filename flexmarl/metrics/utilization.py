@@ -107,15 +107,13 @@ def critical_path(spans: Iterable[Span], eps: float = 1e-9) -> list[Span]:
   """The chain of busy spans ending last: from the span that ends last, step back to
   the span that ended last at or before it started, and so on (first to last)."""
   todo = sorted((s for s in spans if s.busy), key=lambda s: (s.end, s.duration))
-  if not todo:
-    return []
-  path = [todo.pop()]
-  while True:
-    before = [s for s in todo if s.end <= path[-1].start + eps]
-    if not before:
-      return path[::-1]
-    path.append(before[-1])
-    todo = before[:-1]
+  ends = [s.end for s in todo]
+  path, hi = [], len(todo)
+  while hi > 0:
+    path.append(todo[hi - 1])
+    # Candidates for the next link: spans before it in `todo` that ended by its start.
+    hi = bisect.bisect_right(ends, path[-1].start + eps, 0, hi - 1)
+  return path[::-1]
 
 
 def step_report(spans: Sequence[Span]) -> dict[int, dict]:
