@@ -1,0 +1,117 @@
+"""Simulated rollout instances: the sampler interface, answered by cost models in simulated time.
+
+A `SimSampler` is one inference instance. A submitted batch waits for the batches and
+weight syncs before it (the instance serves them in order), then takes
+`costs.generation_time` of its response lengths; the pending it returns carries that
+`finish_time`, so `SimClock.wait_any` jumps to it. Each row's response length is drawn
+from the agent's lognormal length distribution seeded by the row's own key, so a row's
+length never depends on its batch. The tokens are placeholders (ids >= 3, logprob -1):
+the simulator counts time, not text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from flexmarl.clock import SimClock, SimPending
+from flexmarl.metrics import spans
+from flexmarl.metrics.spans import SpanRecorder
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
+from flexmarl.sim.costs import DecodeRates, generation_time
+
+
+def response_lengths(keys: np.ndarray, median: float, sigma: float, max_tokens: int) -> np.ndarray:
+  """One lognormal length per row key (uint32[B, 2]), in [1, max_tokens]."""
+  out = np.empty(len(keys), np.int32)
+  for i, key in enumerate(np.asarray(keys, np.uint32)):
+    draw = np.random.default_rng([int(k) for k in key]).lognormal(np.log(median), sigma)
+    out[i] = min(max_tokens, max(1, int(round(draw))))
+  return out
+
+
+class SimSamples(SimPending):
+  """A submitted batch: done at `finish_time`; `result()` is its SampleBatch."""
+
+  def __init__(self, clock: SimClock, start_time: float, finish_time: float, version: int,
+               value: SampleBatch):
+    super().__init__(clock, finish_time, value)
+    self.start_time = start_time
+    self.version = version
+
+
+class SimSampler:
+  """One simulated instance serving `agent` at `rates`.
+
+  response_tokens: {'median', 'sigma', 'max'} of the agent's response lengths (tokens).
+  sync_s: seconds a weight update keeps the instance busy (costs.weight_sync_time).
+  recorder/track: where its generate and weight-sync spans go (optional).
+  """
+
+  def __init__(self, clock: SimClock, rates: DecodeRates, response_tokens: Mapping[str, float],
+               sync_s: float = 0.0, *, agent: str = '', vocab: int = 64, version: int = 0,
+               recorder: SpanRecorder | None = None, track: str = ''):
+    missing = {'median', 'sigma', 'max'} - set(response_tokens)
+    if missing:
+      raise ValueError(f'response_tokens={dict(response_tokens)} lacks {sorted(missing)}; give '
+                       'median, sigma and max (tokens) of the lognormal response length.')
+    if recorder is not None and not track:
+      raise ValueError(f'SimSampler for agent {agent!r}: a recorder needs a track name, e.g. '
+                       f"'rollout:{agent}/0'.")
+    self.clock = clock
+    self.rates = rates
+    self.response_tokens = dict(response_tokens)
+    self.sync_s = sync_s
+    self.agent = agent
+    self.vocab = vocab
+    self.version = version
+    self.recorder = recorder
+    self.track = track
+    self.busy_until = clock.now()
+    self.closed = False
+
+  def _reserve(self, seconds: float) -> tuple[float, float]:
+    """The instance's next free interval of `seconds`, in submission order."""
+    if self.closed:
+      raise RuntimeError(f'SimSampler {self.track or self.agent!r} is closed.')
+    start = max(self.clock.now(), self.busy_until)
+    self.busy_until = start + seconds
+    return start, self.busy_until
+
+  def submit(self, prompts: list[list[int]], keys: np.ndarray,
+             params: SamplingParams) -> SimSamples:
+    keys = np.asarray(keys)
+    if keys.shape != (len(prompts), 2):
+      raise ValueError(f'keys has shape {keys.shape}; pass one uint32[2] key per prompt: '
+                       f'({len(prompts)}, 2).')
+    cap = min(int(self.response_tokens['max']), params.max_new_tokens)
+    lengths = response_lengths(keys, self.response_tokens['median'],
+                               self.response_tokens['sigma'], cap)
+    prompt_tokens = sum(len(p) for p in prompts)
+    start, finish = self._reserve(generation_time(lengths, prompt_tokens, self.rates))
+    if self.recorder is not None:
+      self.recorder.add(self.track, spans.GENERATE, start, finish, agent=self.agent,
+                        version=self.version, tokens=int(lengths.sum()), rows=len(prompts))
+    return SimSamples(self.clock, start, finish, self.version, self._batch(keys, lengths))
+
+  def _batch(self, keys: np.ndarray, lengths: np.ndarray) -> SampleBatch:
+    width = int(lengths.max()) if len(lengths) else 0
+    valid = np.arange(width)[None, :] < lengths[:, None]
+    seed = [int(k) for k in np.asarray(keys, np.uint32).reshape(-1)]
+    ids = np.random.default_rng(seed).integers(3, self.vocab, (len(lengths), width), np.int32)
+    return SampleBatch(np.where(valid, ids, 0).astype(np.int32),
+                       np.where(valid, -1.0, 0.0).astype(np.float32), lengths)
+
+  def update_weights(self, state: Any, version: int) -> None:
+    """Takes `sync_s` after what is queued; batches submitted later see `version`."""
+    del state  # the simulator moves no weights, it only charges their transfer time
+    start, end = self._reserve(self.sync_s)
+    if self.recorder is not None:
+      self.recorder.add(self.track, spans.WEIGHT_SYNC, start, end, agent=self.agent,
+                        version=version)
+    self.version = version
+
+  def close(self) -> None:
+    self.closed = True
