@@ -153,7 +153,7 @@ class AgentTrainer:
       specs = sharding.param_specs(nnx_state, self.layout.abstract())
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
       return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef))
-    self._steps = (steps or StepCache()).get((model_cfg, opt_cfg, grpo_cfg, self.layout), build)
+    self._steps = (StepCache() if steps is None else steps).get((model_cfg, opt_cfg, grpo_cfg, self.layout), build)
     self.state = AgentState(
         params=params, opt_state=jax.device_get(self.tx.init(params)), version=0,
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), placement=OnHost(),
