@@ -144,3 +144,21 @@ def test_unbound_trainer_and_wrong_layout_fail_clearly():
     t.bind(sharding.make_mesh(jax.devices()[:2], (2, 1)))
   with pytest.raises(ValueError, match="mesh axes.*'model' is 'tensor'"):
     sharding.layout((2, 2), ('fsdp', 'model', 'tensor'))
+
+
+def test_checkpoint_of_a_stored_state_restores_onto_a_host_state(tmp_path):
+  from flexmarl.train.checkpoint import AgentCheckpointer
+  t = _trainer(sharding.make_mesh(jax.devices()[:2], (2,), ('fsdp',)))
+  t.accumulate(_batch(5, multiple=2))
+  t.apply()
+  t.release(InStorage(str(tmp_path / 'swap')))  # swapped out at checkpoint time
+  ckpt = AgentCheckpointer(str(tmp_path), 'a')
+  ckpt.save(7, t.train_state(), {'version': t.version})
+  ckpt.wait()
+  fresh = _trainer(sharding.layout((2,), ('fsdp',)))  # its state in host memory
+  state, meta = ckpt.restore(7, fresh.train_state())
+  fresh.load_train_state(state, meta['version'])
+  assert fresh.version == 1 and isinstance(fresh.state.placement, OnHost)
+  for x, y in zip(_leaves(t.train_state()), _leaves(fresh.train_state()), strict=True):
+    assert np.array_equal(x, y)
+  ckpt.close()

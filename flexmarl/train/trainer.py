@@ -207,9 +207,12 @@ class AgentTrainer:
     self._incoming = (target, self.state, state_lib.prefetch(self.state, target, executor))
 
   def bind(self, mesh: Mesh) -> Transfer:
-    """Move the state onto `mesh` (a mesh of this agent's layout) to train there."""
+    """Move the state onto `mesh` (a mesh of this agent's layout) to train there; a no-op
+    (0 bytes) when it is bound there already."""
+    if self.mesh is mesh:
+      return Transfer('mesh', 'mesh', 0, 0.0)
     if self.mesh is not None:
-      raise RuntimeError(f'agent {self.name!r} is already bound to a mesh; release it first.')
+      raise RuntimeError(f'agent {self.name!r} is bound to another mesh; release it first.')
     target, incoming = self._target(mesh), self._incoming
     self._incoming = None
     if incoming and incoming[0] == target and incoming[1] is self.state:
