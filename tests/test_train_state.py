@@ -15,6 +15,7 @@ from flexmarl.models.transformer import ModelConfig
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
 from flexmarl.train.state import InStorage, OnHost
+from flexmarl.train.allocator import FreeMesh, Waiting, allocate
 from flexmarl.train.step import StepCache
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
@@ -58,8 +59,11 @@ def test_sharded_numbers_match_unsharded():
     stats = t.apply()
     np.testing.assert_allclose(stats['loss'], ref_stats['loss'], rtol=1e-5)
     np.testing.assert_allclose(stats['grad_norm'], ref_stats['grad_norm'], rtol=1e-5)
-    for x, y in zip(_leaves(one.params), _leaves(t.params)):
-      np.testing.assert_allclose(x, y, atol=1e-4)  # 1% of an lr step
+    # Adam's first step moves each parameter by about ±lr, sign-like: a near-zero gradient
+    # may round to another size or sign: allow a few elements (< 0.1%) up to 2 lr.
+    diff = np.concatenate([np.abs(x - y).ravel() for x, y in zip(_leaves(one.params),
+                                                                 _leaves(t.params))])
+    assert diff.max() <= 2 * OPT.learning_rate and np.mean(diff > 1e-5) < 1e-3, axes
     assert t.params['blocks'][0]['mlp']['gate'].sharding.spec == gate_specs[axes]
 
 
@@ -93,36 +97,6 @@ def test_state_moves_mesh_host_storage_and_reshards(tmp_path):
   _assert_same(start, again)
   loaded, _ = state_lib.load(str(tmp_path / 'a'), t.state, OnHost())
   _assert_same(start, loaded)
-
-
-def test_trainer_moving_between_meshes_trains_like_one_that_never_moves(tmp_path):
-  devices = jax.devices()
-  layout = sharding.layout((2,), ('fsdp',))
-  mesh_a, mesh_b = (sharding.make_mesh(devices[i:i + 2], (2,), ('fsdp',)) for i in (0, 2))
-  cache = StepCache()
-  still = _trainer(sharding.make_mesh(devices[4:6], (2,), ('fsdp',)), steps=cache)
-  mover = _trainer(layout, steps=cache)
-  assert len(cache) == 1 and mover.mesh is None
-  executor = concurrent.futures.ThreadPoolExecutor(1)
-  for step in range(3):
-    mover.bind(mesh_a if step % 2 == 0 else mesh_b)
-    for mb in range(2):
-      if mb == 1:  # release mid-batch: the accumulator travels through host memory
-        mover.release(OnHost())
-        mover.bind(mesh_b)
-      for t in (still, mover):
-        t.accumulate(_batch(10 * step + mb, rows=4, multiple=2))
-    assert still.apply() == mover.apply()
-    mover.release(InStorage(str(tmp_path / f's{step}')) if step == 1 else OnHost())
-    if step == 1:  # prefetch from storage on a thread, then bind takes the moved state
-      mover.prefetch(mesh_a, executor)
-  mover.bind(mesh_a)
-  assert mover.version == still.version == 3
-  for x, y in zip(_leaves(still.train_state()), _leaves(mover.train_state()), strict=True):
-    assert np.array_equal(x, y)
-  assert {d for x in jax.tree.leaves(mover.params) for d in x.sharding.device_set} == set(
-      devices[:2])
-  executor.shutdown()
 
 
 def test_prefetch_gives_the_moved_state(tmp_path):
@@ -162,3 +136,49 @@ def test_checkpoint_of_a_stored_state_restores_onto_a_host_state(tmp_path):
   for x, y in zip(_leaves(t.train_state()), _leaves(fresh.train_state()), strict=True):
     assert np.array_equal(x, y)
   ckpt.close()
+
+
+def test_four_agents_take_turns_on_two_meshes_like_agents_on_their_own_meshes(tmp_path):
+  """The allocator binds 4 agents to 2 meshes, 2 micro-batches a step, releasing them
+  between micro-batches (one through storage, mid-batch) and prefetching the second
+  agent of a round while the first trains: each agent runs on both meshes and ends
+  bit-identical to an agent that never moved."""
+  devices, cache = jax.devices(), StepCache()
+  fsdp = lambda i: sharding.make_mesh(devices[2 * i:2 * i + 2], (2,), ('fsdp',))
+  names = 'abcd'
+  pinned = {n: AgentTrainer(n, MODEL, OPT, GRPO, fsdp(i), seed=i, steps=cache)
+            for i, n in enumerate(names)}
+  movers = {n: AgentTrainer(n, MODEL, OPT, GRPO, sharding.layout((2,), ('fsdp',)), seed=i,
+                            steps=cache) for i, n in enumerate(names)}
+  pool_meshes = {'m0': fsdp(0), 'm1': fsdp(1)}
+  served = {n: 0 for n in names}  # micro-batches trained
+  last = {n: 0.0 for n in names}
+  ran_on = {n: set() for n in names}
+  executor = concurrent.futures.ThreadPoolExecutor(1)
+  for rnd in range(4):
+    order = ['m0', 'm1'] if rnd < 2 else ['m1', 'm0']  # the order meshes came free
+    waiting = [Waiting(n, 1, movers[n].layout, last[n]) for n in names]
+    bindings = allocate(waiting, [FreeMesh(m, movers['a'].layout) for m in order])
+    assert len(bindings) == 2 and len(set(bindings.values())) == 2
+    (first, _), (second, second_mesh) = bindings.items()
+    movers[second].prefetch(pool_meshes[second_mesh], executor)
+    for n, m in bindings.items():
+      movers[n].bind(pool_meshes[m])
+      ran_on[n].add(m)
+      batch = _batch(100 * names.index(n) + served[n], rows=4, multiple=2)
+      for t in (pinned[n], movers[n]):
+        t.accumulate(batch)
+      served[n] += 1
+      if served[n] == 2:
+        assert pinned[n].apply() == movers[n].apply()
+      to_storage = n == 'd' and served[n] == 1  # its half-accumulated gradient too
+      movers[n].release(InStorage(str(tmp_path / n)) if to_storage else OnHost())
+      last[n] = float(rnd + 1)
+  executor.shutdown()
+  assert ran_on == {n: {'m0', 'm1'} for n in names} and served == {n: 2 for n in names}
+  assert len(cache) == 1
+  for n in names:
+    assert movers[n].version == pinned[n].version == 1
+    for x, y in zip(_leaves(pinned[n].train_state()), _leaves(movers[n].train_state()),
+                    strict=True):
+      assert np.array_equal(x, y)
