@@ -3,7 +3,6 @@ bit-identically; a trainer that moves between meshes trains exactly like one tha
 moves."""
 
 import concurrent.futures
-import dataclasses
 
 import jax
 import numpy as np

@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from flexmarl.models import sharding
 from flexmarl.train import state as state_lib
