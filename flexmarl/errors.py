@@ -1,5 +1,5 @@
-"""Errors a user can act on."""
+"""Errors shared by modules that must not import one another."""
 
 
 class ConfigError(ValueError):
-  """A config field is wrong; the message names the field, the value and the fix."""
+  """A bad config field: the message names the field, its value and the fix."""

@@ -80,7 +80,7 @@ def test_micro_batches_give_the_full_batch_update():
   for s in (slice(0, 2), slice(2, 5), slice(5, 8)):  # uneven micro-batches
     micro.accumulate(TrainBatch.from_rows(prompts[s], responses[s], logprobs[s], adv[s], **kw))
   # The accumulated gradients agree up to float reduction order ...
-  for x, y in zip(jax.tree.leaves(full._grads), jax.tree.leaves(micro._grads)):
+  for x, y in zip(jax.tree.leaves(full.state.grads), jax.tree.leaves(micro.state.grads)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
   a, b = full.apply(), micro.apply()
   assert a['trained_tokens'] == b['trained_tokens'] == sum(map(len, responses))

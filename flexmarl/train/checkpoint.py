@@ -9,7 +9,15 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+
+def _target(x):
+  on_device = isinstance(x, jax.Array) and x.sharding.memory_kind in (None, 'device')
+  if on_device:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return np.empty(x.shape, x.dtype)
 
 
 class AgentCheckpointer:
@@ -29,9 +37,9 @@ class AgentCheckpointer:
         state=ocp.args.StandardSave(train_state), meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, like: dict) -> tuple[dict, dict]:
-    """Restore onto the shardings of `like` (a train state of the right structure)."""
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+    """Restore onto the shardings of `like` (a train state of the right structure): its
+    device arrays' shardings, or numpy where `like` is in host memory."""
+    target = jax.tree.map(_target, like)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return out['state'], out['meta']

@@ -1,6 +1,7 @@
-"""One agent's training state and its two compiled steps.
+"""One agent's training state and its compiled steps.
 
-`AgentTrainer` holds an agent's parameters and optimizer state on its mesh. It
+`AgentTrainer` holds an agent's state (`train.state.AgentState`) and trains it on the
+mesh it is bound to, with steps compiled once per layout (`train.step`). It
 accumulates gradients over micro-batches (`accumulate`) and applies one optimizer
 step per global batch (`apply`), dividing by the batch's token count then. The
 schedules decide *when* these run; the numbers do not depend on it.
@@ -8,6 +9,7 @@ schedules decide *when* these run; the numbers do not depend on it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -22,6 +24,9 @@ from jax.sharding import Mesh
 from flexmarl.models import sharding, transformer
 from flexmarl.rollout.sampler import bucket, left_pad
 from flexmarl.train import grpo
+from flexmarl.train import state as state_lib
+from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
+from flexmarl.train.step import StepCache, Steps, build_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,63 +127,122 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
 
 
 class AgentTrainer:
-  """Params + optimizer state of one agent on its mesh, with compiled steps."""
+  """One agent's training state and its compiled steps, bound to a mesh while it trains.
+
+  Built on a `Mesh`, it is bound there from the start and, never released, behaves as a
+  trainer pinned to its mesh. Built on a `MeshLayout`, its state starts in host memory.
+  `bind(mesh)` moves the state onto any mesh of its layout (steps come from the shared
+  `StepCache`); `release(to)` moves it off to host memory or storage, so the mesh can
+  serve another agent. A half-accumulated batch moves with the state.
+  """
 
   def __init__(self, name: str, model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
-               grpo_cfg: grpo.GRPOConfig, mesh: Mesh, seed: int):
+               grpo_cfg: grpo.GRPOConfig, mesh: Mesh | sharding.MeshLayout, seed: int,
+               steps: StepCache | None = None):
     self.name = name
-    self.mesh = mesh
     self.grpo_cfg = grpo_cfg
+    self.layout = mesh if isinstance(mesh, sharding.MeshLayout) else sharding.layout_of(mesh)
+    self.batch_multiple = self.layout.batch_multiple
     model = transformer.Decoder(model_cfg, nnx.Rngs(params=seed))
-    self.graphdef, state = nnx.split(model)
-    self.shardings = sharding.param_shardings(state, mesh)
-    self.params = jax.device_put(nnx.to_pure_dict(state), self.shardings)
+    self.graphdef, nnx_state = nnx.split(model)
     self.tx = make_optimizer(opt_cfg)
-    # Eager init keeps each moment on its parameter's sharding (FACTS.md); scalars
-    # (step counts) land on the default device, so move those onto the mesh.
-    mesh_devices = set(mesh.devices.flat)
-    self.opt_state = jax.tree.map(
-        lambda x: x if x.sharding.device_set <= mesh_devices
-        else jax.device_put(x, sharding.replicated(mesh)), self.tx.init(self.params))
-    self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-    # A frozen copy: the live params are replaced (not mutated) at every step.
-    self.ref_params = jax.tree.map(jnp.copy, self.params) if grpo_cfg.kl_coef else None
-    ref_shardings = self.shardings if grpo_cfg.kl_coef else None
-    self.version = 0
-    self._grads = None
+    params = jax.device_get(nnx.to_pure_dict(nnx_state))
+
+    def build() -> Steps:
+      loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg)
+      specs = sharding.param_specs(nnx_state, self.layout.abstract())
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+      return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef))
+    self._steps = (StepCache() if steps is None else steps).get((model_cfg, opt_cfg, grpo_cfg, self.layout), build)
+    self.state = AgentState(
+        params=params, opt_state=jax.device_get(self.tx.init(params)), version=0,
+        rng=np.asarray(jax.random.key_data(jax.random.key(seed))), placement=OnHost(),
+        # A frozen copy for the KL term: the live params are replaced at every step.
+        ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
+    self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
     self._tokens = 0
-    self.batch_multiple = mesh.shape['data']
-    batch_sharding = sharding.batch_sharding(mesh)
+    self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
+    if isinstance(mesh, Mesh):
+      self.bind(mesh)
 
-    def accumulate(params, ref_params, batch, acc, entropy_coef):
-      (loss, stats), grads = jax.value_and_grad(
-          functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg), has_aux=True)(
-              params, ref_params, batch, entropy_coef)
-      return jax.tree.map(jnp.add, acc, grads), dict(stats, loss=loss)
+  # -- where the state lives ------------------------------------------------------------
 
-    def apply(params, opt_state, acc, tokens):
-      grads = jax.tree.map(lambda g: g / tokens, acc)
-      updates, opt_state = self.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+  @property
+  def params(self):
+    return self.state.params
 
-    self._accumulate = jax.jit(
-        accumulate, in_shardings=(self.shardings, ref_shardings, batch_sharding, self.shardings, None),
-        out_shardings=(self.shardings, None), donate_argnums=3)
-    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
-                          out_shardings=self.shardings)
-    self._apply = jax.jit(
-        apply, in_shardings=(self.shardings, self.opt_shardings, self.shardings, None),
-        out_shardings=(self.shardings, self.opt_shardings, None),
-        donate_argnums=(1, 2))  # not params: a sampler may still be serving them
+  @property
+  def opt_state(self):
+    return self.state.opt_state
+
+  @property
+  def ref_params(self):
+    return self.state.ref_params
+
+  @property
+  def version(self) -> int:
+    return self.state.version
+
+  @property
+  def shardings(self):
+    return self._bound().shardings['params']
+
+  @property
+  def opt_shardings(self):
+    return self._bound().shardings['opt_state']
+
+  def _bound(self) -> OnMesh:
+    if self.mesh is None:
+      raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
+                         f'{state_lib.kind(self.state.placement)}): call bind(mesh) first.')
+    return self.state.placement
+
+  def _target(self, mesh: Mesh) -> OnMesh:
+    return OnMesh(mesh, self._steps.shardings(mesh))
+
+  def prefetch(self, mesh: Mesh, executor: concurrent.futures.Executor) -> None:
+    """Start moving the state onto `mesh` on `executor`; the next `bind(mesh)` takes it."""
+    target = self._target(mesh)
+    self._incoming = (target, self.state, state_lib.prefetch(self.state, target, executor))
+
+  def bind(self, mesh: Mesh) -> Transfer:
+    """Move the state onto `mesh` (a mesh of this agent's layout) to train there; a no-op
+    (0 bytes) when it is bound there already."""
+    if self.mesh is mesh:
+      return Transfer('mesh', 'mesh', 0, 0.0)
+    if self.mesh is not None:
+      raise RuntimeError(f'agent {self.name!r} is bound to another mesh; release it first.')
+    target, incoming = self._target(mesh), self._incoming
+    self._incoming = None
+    if incoming and incoming[0] == target and incoming[1] is self.state:
+      self.state, transfer = incoming[2].result()
+    else:
+      self.state, transfer = state_lib.move(self.state, target)
+    self.mesh = mesh
+    return transfer
+
+  def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
+    """Move the state off its mesh, leaving the mesh free for another agent."""
+    self._bound()
+    self._stats = jax.device_get(self._stats)
+    self.state, transfer = state_lib.move(self.state, to)
+    self.mesh = None
+    return transfer
+
+  # -- training -------------------------------------------------------------------------
 
   def accumulate(self, batch: TrainBatch) -> None:
     """Add one micro-batch's gradient (of the token-summed loss) to the accumulator."""
-    if self._grads is None:
-      self._grads = self._zeros(self.params)
-    self._grads, stats = self._accumulate(
-        self.params, self.ref_params, dataclasses.asdict(batch), self._grads,
-        np.float32(grpo.entropy_coef_at(self.grpo_cfg, self.version)))
+    self._bound()
+    with jax.set_mesh(self.mesh):
+      grads = self.state.grads
+      if grads is None:
+        grads = self._steps.zeros(self.params)
+      grads, stats = self._steps.accumulate(
+          self.params, self.ref_params, dataclasses.asdict(batch), grads,
+          np.float32(grpo.entropy_coef_at(self.grpo_cfg, self.version)))
+    self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)
     self._tokens += batch.tokens
 
@@ -195,11 +259,14 @@ class AgentTrainer:
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
-    self.params, self.opt_state, grad_norm = self._apply(
-        self.params, self.opt_state, self._grads, np.float32(tokens))
+    self._bound()
+    with jax.set_mesh(self.mesh):
+      params, opt_state, grad_norm = self._steps.apply(
+          self.params, self.opt_state, self.state.grads, np.float32(tokens))
+    self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
+                                     grads=None, version=self.version + 1)
     pending = self._stats
-    self._grads, self._stats, self._tokens = None, [], 0
-    self.version += 1
+    self._stats, self._tokens = [], 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
@@ -207,11 +274,18 @@ class AgentTrainer:
       return dict(out, grad_norm=float(norm), trained_tokens=tokens)
     return result
 
+  # -- checkpoints ----------------------------------------------------------------------
+
   def train_state(self) -> dict:
-    """What a checkpoint holds."""
-    return {'params': self.params, 'opt_state': self.opt_state}
+    """What a checkpoint holds (a stored state is read into host memory for it)."""
+    state = self.state
+    if isinstance(state.placement, InStorage):
+      state, _ = state_lib.move(state, OnHost())
+    return {'params': state.params, 'opt_state': state.opt_state}
 
   def load_train_state(self, state: dict, version: int) -> None:
-    self.params = jax.device_put(state['params'], self.shardings)
-    self.opt_state = jax.device_put(state['opt_state'], self.opt_shardings)
-    self.version = version
+    """Take a restored state, kept where this agent's state lives now."""
+    fresh = dataclasses.replace(self.state, params=state['params'],
+                                opt_state=state['opt_state'], grads=None, version=version)
+    self.state, _ = state_lib.put(fresh, self.state.placement)
+    self._stats, self._tokens = [], 0

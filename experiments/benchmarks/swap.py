@@ -1,0 +1,134 @@
+"""Agent-state swap throughput per path, against plain copies of the same bytes.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python -m experiments.benchmarks.swap [--sizes_mb=10,100] [--repeats=3] [--dir=/tmp/x]
+
+A synthetic state of S bytes (float32 arrays of at most 64 MiB, sharded over a ('fsdp',)
+mesh of 2 devices) is moved with `flexmarl.train.state.move` along each path:
+mesh → mesh (to 2 other devices), mesh → host, host → mesh, host → storage (Orbax),
+storage → host, storage → mesh. The baseline of each path is the plainest copy of the same
+bytes: one `jax.device_put` of the arrays to the same target shardings (pinned host memory
+for host), and for storage a raw `ndarray.tofile` / `np.fromfile` of each array. Reports
+the best of `repeats` for each, as MB/s and as the ratio move / baseline (1.0: no overhead;
+storage reads come from the page cache). The last line is JSON.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from jax.sharding import PartitionSpec as P
+
+from flexmarl.models import sharding
+from flexmarl.train import state as state_lib
+from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh
+
+_SIZES = flags.DEFINE_list('sizes_mb', ['10', '100'], 'State sizes in MB (1e6 bytes); '
+                           'add 1000,2000 for the large states (minutes on 2 cores).')
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats per path; the best is kept.')
+_DIR = flags.DEFINE_string('dir', None, 'Storage folder (default: a temporary folder).')
+_CHUNK = 64 * 2**20
+
+
+def _state(nbytes: int, mesh) -> tuple[AgentState, OnMesh]:
+  rng = np.random.default_rng(0)
+  sizes = [_CHUNK] * (nbytes // _CHUNK) + ([nbytes % _CHUNK] if nbytes % _CHUNK else [])
+  cols = 1024
+  params = {f'w{i}': rng.standard_normal((max(2, s // 4 // cols) // 2 * 2, cols), np.float32)
+            for i, s in enumerate(sizes)}
+  specs = {k: P('fsdp') for k in params}
+  placement = OnMesh(mesh, {'params': sharding.on_mesh(specs, mesh), 'opt_state': ()})
+  host = AgentState(params=params, opt_state=(), version=0, rng=np.zeros(2, np.uint32),
+                    placement=OnHost())
+  return state_lib.move(host, placement)[0], placement
+
+
+def _best(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def _write_raw(arrays: dict, path: str) -> None:
+  os.makedirs(path, exist_ok=True)
+  for k, x in arrays.items():
+    np.asarray(x).tofile(os.path.join(path, k))
+
+
+def _read_raw(like: dict, path: str) -> dict:
+  return {k: np.fromfile(os.path.join(path, k), x.dtype).reshape(x.shape) for k, x in like.items()}
+
+
+def _bench(nbytes: int, root: str, repeats: int) -> dict:
+  devices = jax.devices()
+  mesh_a = sharding.make_mesh(devices[:2], (2,), ('fsdp',))
+  mesh_b = sharding.make_mesh(devices[2:4], (2,), ('fsdp',))
+  on_a, at_a = _state(nbytes, mesh_a)
+  nbytes = on_a.nbytes  # whole rows of 1024 floats: within 0.01% of the asked size
+  at_b = OnMesh(mesh_b, {'params': sharding.on_mesh({k: P('fsdp') for k in on_a.params}, mesh_b),
+                         'opt_state': ()})
+  host, _ = state_lib.move(on_a, OnHost())
+  path = os.path.join(root, f'state_{nbytes}')
+  stored, _ = state_lib.move(host, InStorage(path))
+  raw = os.path.join(root, f'raw_{nbytes}')
+  host_np = jax.device_get(host.params)
+  pinned = {k: x.sharding for k, x in host.params.items()}
+
+  def put(arrays, shardings):
+    return lambda: jax.block_until_ready(jax.device_put(arrays, shardings))
+
+  def save_move():
+    shutil.rmtree(path, ignore_errors=True)
+    state_lib.move(host, InStorage(path))
+
+  def save_raw():
+    shutil.rmtree(raw, ignore_errors=True)
+    _write_raw(host_np, raw)
+
+  paths = {
+      'mesh->mesh': (lambda: state_lib.move(on_a, at_b), put(on_a.params, at_b.shardings['params'])),
+      'mesh->host': (lambda: state_lib.move(on_a, OnHost()), put(on_a.params, pinned)),
+      'host->mesh': (lambda: state_lib.move(host, at_a), put(host.params, at_a.shardings['params'])),
+      'host->storage': (save_move, save_raw),
+      'storage->host': (lambda: state_lib.move(stored, OnHost()), lambda: _read_raw(host_np, raw)),
+      'storage->mesh': (lambda: state_lib.move(stored, at_b),
+                        lambda: jax.block_until_ready(jax.device_put(
+                            _read_raw(host_np, raw), at_b.shardings['params']))),
+  }
+  out = {}
+  for name, (moving, plain) in paths.items():
+    t_move, t_plain = _best(moving, repeats), _best(plain, repeats)
+    out[name] = dict(move_mb_s=nbytes / t_move / 1e6, plain_mb_s=nbytes / t_plain / 1e6,
+                     ratio=t_plain / t_move)
+  assert np.array_equal(np.asarray(state_lib.move(stored, at_b)[0].params['w0']), host_np['w0'])
+  shutil.rmtree(path, ignore_errors=True)
+  shutil.rmtree(raw, ignore_errors=True)
+  return out
+
+
+def main(argv):
+  del argv
+  memories = {m.kind for m in jax.devices()[0].addressable_memories()}
+  print(f'{jax.devices()[0].platform}, host memory for OnHost: '
+        f"{'pinned_host' if 'pinned_host' in memories else 'numpy'}")
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    root = _DIR.value or tmp
+    for mb in map(int, _SIZES.value):
+      results[mb] = _bench(mb * 10**6, root, _REPEATS.value)
+      for name, r in results[mb].items():
+        print(f"{mb:>6} MB  {name:<14} move {r['move_mb_s']:>8.0f} MB/s   plain "
+              f"{r['plain_mb_s']:>8.0f} MB/s   ratio {r['ratio']:.2f}")
+  print(json.dumps(results))
+
+
+if __name__ == '__main__':
+  app.run(main)

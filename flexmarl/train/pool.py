@@ -1,0 +1,67 @@
+"""The training pool: its meshes, and the config checks that must pass before anything
+compiles (a mesh larger than the pool; a host budget smaller than one agent's state)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from flexmarl.errors import ConfigError
+from flexmarl.models import sharding, transformer
+from flexmarl.train import grpo
+from flexmarl.train.trainer import OptimizerConfig, make_optimizer
+
+
+def carve(devices: Sequence[jax.Device], layouts: Sequence[sharding.MeshLayout]) -> list[Mesh]:
+  """Consecutive, disjoint meshes of the given layouts over the pool's devices."""
+  needed = sum(lay.size for lay in layouts)
+  if needed > len(devices):
+    raise ConfigError(f'config.training.meshes={[lay.shape for lay in layouts]}: they need '
+                      f'{needed} devices together, the training pool has {len(devices)}; '
+                      'declare fewer or smaller meshes, or give the pool more devices.')
+  out, start = [], 0
+  for lay in layouts:
+    out.append(sharding.make_mesh(devices[start:start + lay.size], lay.shape, lay.axes))
+    start += lay.size
+  return out
+
+
+def check_pool(pool_devices: int, layouts: Mapping[str, sharding.MeshLayout],
+               field: str = 'agents.{name}.mesh_shape') -> None:
+  """Every agent's mesh fits in the pool (agents may together need more: they take turns)."""
+  for name, lay in layouts.items():
+    if lay.size > pool_devices:
+      raise ConfigError(
+          f'config.{field.format(name=name)}={lay.shape}: a mesh over {lay.axes} needs '
+          f'{lay.size} devices, but the training pool has {pool_devices}. Use a smaller mesh '
+          f'shape, or give the training pool at least {lay.size} devices.')
+
+
+def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
+                 grpo_cfg: grpo.GRPOConfig) -> int:
+  """Bytes of one agent's state at rest (params, optimizer state, KL reference, RNG),
+  from shapes alone: nothing is allocated or compiled."""
+  model = nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(params=0)))
+  params = nnx.to_pure_dict(nnx.state(model))
+  opt = jax.eval_shape(make_optimizer(opt_cfg).init, params)
+  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  trees = [params, opt, rng] + ([params] if grpo_cfg.kl_coef else [])
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(trees))
+
+
+def check_host_budget(budget_bytes: int, state_bytes: Mapping[str, int],
+                      field: str = 'training.host_budget_bytes') -> None:
+  """Host memory must hold at least the largest agent state (the one being swapped)."""
+  if not state_bytes:
+    return
+  name, largest = max(state_bytes.items(), key=lambda kv: kv[1])
+  if budget_bytes < largest:
+    raise ConfigError(
+        f'config.{field}={budget_bytes}: agent {name!r} alone has a state of {largest} bytes '
+        f'({largest / 2**20:.1f} MiB); raise the budget to at least {largest}, or leave it '
+        'unset for no limit.')

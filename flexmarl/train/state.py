@@ -1,0 +1,193 @@
+"""An agent's training state as a value that knows where it lives, and one call to move it.
+
+`AgentState` holds params, optimizer state, version, RNG (and, when present, the frozen
+KL reference and a half-accumulated gradient). Its `placement` says where the arrays
+are: `OnMesh` (device memory, sharded), `OnHost` (pinned host memory where the
+platform has that memory kind, else numpy) or `InStorage` (an Orbax checkpoint; the
+state then carries only the arrays' shapes). `move(state, placement)` goes from any
+placement to any other, resharding on the way, and reports bytes and seconds.
+
+Moving does not delete the source arrays: a rollout sampler may still serve them; they
+are freed when the last reference goes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+FIELDS = ('params', 'opt_state', 'ref_params', 'grads', 'rng')
+_LIKE_PARAMS = ('params', 'ref_params', 'grads')
+
+
+@dataclasses.dataclass(frozen=True)
+class OnMesh:
+  mesh: Mesh
+  shardings: dict  # {'params': tree, 'opt_state': tree} of NamedShardings on `mesh`
+
+
+@dataclasses.dataclass(frozen=True)
+class OnHost:
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class InStorage:
+  path: str  # an Orbax checkpoint directory (written on move, read on move out)
+
+
+Placement = OnMesh | OnHost | InStorage
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentState:
+  params: Any
+  opt_state: Any
+  version: int
+  rng: Any  # raw key data (uint32), so it moves like any array
+  placement: Placement
+  ref_params: Any = None
+  grads: Any = None
+
+  def arrays(self) -> dict:
+    return {f: getattr(self, f) for f in FIELDS}
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(self.arrays()))
+
+
+class Transfer(NamedTuple):
+  """What one move did: from where, to where, bytes, seconds (until the arrays were ready)."""
+  source: str
+  target: str
+  bytes: int
+  seconds: float
+
+
+def kind(placement: Placement) -> str:
+  return {OnMesh: 'mesh', OnHost: 'host', InStorage: 'storage'}[type(placement)]
+
+
+def has_pinned_host(device: jax.Device) -> bool:
+  return 'pinned_host' in {m.kind for m in device.addressable_memories()}
+
+
+def _shardings(state: AgentState, to: OnMesh) -> dict:
+  """Per-field target shardings; fields absent from the state stay absent."""
+  out = {}
+  for f, tree in state.arrays().items():
+    if tree is None:
+      out[f] = None
+    elif f == 'rng':
+      out[f] = NamedSharding(to.mesh, P())
+    else:
+      out[f] = to.shardings['params' if f in _LIKE_PARAMS else 'opt_state']
+  return out
+
+
+def _to_host(arrays: dict) -> dict:
+  """Device arrays to pinned host memory (same layout) where the platform has it, else
+  numpy; numpy stays numpy."""
+  def one(x):
+    if isinstance(x, jax.Array) and has_pinned_host(next(iter(x.sharding.device_set))):
+      return jax.device_put(x, x.sharding.with_memory_kind('pinned_host'))
+    return np.asarray(x)
+  return jax.tree.map(one, arrays)
+
+
+def _abstract(arrays: dict) -> dict:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
+
+
+def _save(path: str, arrays: dict, version: int) -> None:
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(path, 'arrays'), arrays, force=True)
+  checkpointer.wait_until_finished()
+  with open(os.path.join(path, 'meta.json'), 'w') as f:
+    json.dump({'version': version}, f)
+
+
+def _restore(path: str, like: dict, to: Placement, shardings: dict | None) -> dict:
+  """Read a saved state onto the mesh shardings (resharding) or into numpy arrays."""
+  if shardings is None:
+    target = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), like)
+  else:
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          like, shardings)
+  arrays = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), 'arrays'), target)
+  return _to_host(arrays) if isinstance(to, OnHost) else arrays
+
+
+def move(state: AgentState, to: Placement, *, wait: bool = True
+         ) -> tuple[AgentState, Transfer]:
+  """The same state at `to`. With `wait=False` device transfers are only started (jax
+  dispatches them asynchronously); storage reads and writes always complete."""
+  src = state.placement
+  if src == to:
+    return state, Transfer(kind(src), kind(to), 0, 0.0)
+  if not isinstance(src, InStorage):
+    return put(state, to, wait=wait)
+  start = time.perf_counter()
+  if isinstance(to, InStorage):
+    os.makedirs(to.path, exist_ok=True)
+    shutil.copytree(src.path, to.path, dirs_exist_ok=True)
+    arrays = state.arrays()
+  else:
+    arrays = _restore(src.path, state.arrays(), to,
+                      _shardings(state, to) if isinstance(to, OnMesh) else None)
+  return _done(state, to, arrays, start, wait)
+
+
+def put(state: AgentState, to: Placement, *, wait: bool = True
+        ) -> tuple[AgentState, Transfer]:
+  """`state`'s in-memory arrays (wherever they are: any device, host, numpy) at `to`."""
+  start = time.perf_counter()
+  arrays = state.arrays()
+  if isinstance(to, InStorage):
+    os.makedirs(to.path, exist_ok=True)
+    _save(to.path, arrays, state.version)
+    arrays = _abstract(arrays)
+  elif isinstance(to, OnMesh):
+    arrays = jax.device_put(arrays, _shardings(state, to))
+  else:
+    arrays = _to_host(arrays)
+  return _done(state, to, arrays, start, wait)
+
+
+def _done(state: AgentState, to: Placement, arrays: dict, start: float, wait: bool
+          ) -> tuple[AgentState, Transfer]:
+  if wait:
+    jax.block_until_ready(arrays)
+  moved = dataclasses.replace(state, placement=to, **arrays)
+  return moved, Transfer(kind(state.placement), kind(to), state.nbytes,
+                         time.perf_counter() - start)
+
+
+def load(path: str, like: AgentState, to: Placement) -> tuple[AgentState, Transfer]:
+  """A state saved at `path` by a move to InStorage (this process or an earlier one),
+  moved to `to`; `like` gives the structure (any state of the same agent config)."""
+  with open(os.path.join(path, 'meta.json')) as f:
+    version = json.load(f)['version']
+  stored = dataclasses.replace(like, placement=InStorage(path), version=version,
+                               **_abstract(like.arrays()))
+  return move(stored, to)
+
+
+def prefetch(state: AgentState, to: Placement,
+             executor: concurrent.futures.Executor) -> concurrent.futures.Future:
+  """Start moving `state` to `to` on `executor` (a thread: storage reads block, device
+  copies overlap with whatever the caller dispatches next). The future gives what
+  `move` gives."""
+  return executor.submit(move, state, to)
