@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import EpisodeResult, RolloutEngine
 from flexmarl.schedules import make_schedule
 from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.team import build_team
+from flexmarl.team import Agent, build_team
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Query, Workflow
 
@@ -43,12 +43,15 @@ class JointOrchestrator:
 
   def __init__(self, spec: TeamSpec, workflow: Workflow, tokenizer: TextTokenizer,
                workdir: str, devices: Sequence[jax.Device] | None = None,
-               clock: Clock | None = None):
+               clock: Clock | None = None, agents: Mapping[str, Agent] | None = None):
+    """`clock` and `agents` default to the wall clock and the team `build_team` makes on
+    `devices`; a simulator passes its own (simulated instances and trainers)."""
     self.spec, self.workflow, self.workdir = spec, workflow, workdir
     self.clock = clock or RealClock()
     placement_lib.check_resume(spec.placement, workdir)
     placement_lib.save(spec.placement, workdir)
-    self.agents = build_team(spec, spec.placement, tokenizer, workdir, devices or jax.devices())
+    self.agents = dict(agents) if agents is not None else build_team(
+        spec, spec.placement, tokenizer, workdir, devices or jax.devices())
     r = spec.rollout
     balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
                           for n, a in spec.agents.items()},
