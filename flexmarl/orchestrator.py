@@ -28,6 +28,7 @@ from flexmarl.clock import Clock, RealClock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import Journal, group_ref, groups_from_store
+from flexmarl.metrics import spans, utilization
 from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.balancer import Balancer, Limits
@@ -48,10 +49,13 @@ class JointOrchestrator:
     `devices`; a simulator passes its own (simulated instances and trainers)."""
     self.spec, self.workflow, self.workdir = spec, workflow, workdir
     self.clock = clock or RealClock()
+    # Every generate call, micro-batch, optimizer step, weight sync and store write, as
+    # a span: `WORKDIR/trace.json` (Perfetto) and utilization in the metrics.
+    self.recorder = spans.SpanRecorder(self.clock)
     placement_lib.check_resume(spec.placement, workdir)
     placement_lib.save(spec.placement, workdir)
     self.agents = dict(agents) if agents is not None else build_team(
-        spec, spec.placement, tokenizer, workdir, devices or jax.devices())
+        spec, spec.placement, tokenizer, workdir, devices or jax.devices(), self.recorder)
     r = spec.rollout
     balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
                           for n, a in spec.agents.items()},
@@ -61,9 +65,11 @@ class JointOrchestrator:
         {n: a.sampling for n, a in spec.agents.items()},
         {n: a.group_size for n, a in spec.agents.items()}, tokenizer, spec.seed,
         clock=self.clock, concurrency=r.query_concurrency, admission=r.admission,
-        max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s)
+        max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
+        recorder=self.recorder)
     self.journal = Journal(ExperienceStore.open(os.path.join(workdir, 'store'),
-                                                agents=list(spec.agents)), list(spec.agents))
+                                                agents=list(spec.agents)), list(spec.agents),
+                           self.recorder)
     self.schedule = make_schedule(spec)
     # Each agent's rows served, not yet trained on: its batch at its current version
     # (a BatchBuilder), or under `async:k` every row still fresh enough (a StaleBuffer).
@@ -158,6 +164,7 @@ class JointOrchestrator:
 
   def run_step(self) -> dict[str, dict[str, float]]:
     """One step of the configured schedule; returns its metrics lines."""
+    self.recorder.step = self.step + 1  # the step the metrics lines will carry
     return self.schedule.run_step(self)
 
   def finish_step(self, lines: dict[str, dict[str, float]], t0: float, rollout_s: float,
@@ -170,15 +177,24 @@ class JointOrchestrator:
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
     self.journal.write()
-    lines[TEAM] = dict(
+    lines[TEAM] = dict(self._utilization(), **dict(
         reward_mean=float(np.nanmean([l['reward_mean'] for l in lines.values()])),
         reward_std=float(np.nanmean([l['reward_std'] for l in lines.values()])),
         accuracy=float(np.nanmean([l['accuracy'] for l in lines.values()])),
         policy_version=self.step, tokens=tokens, step_time_s=step_s, rollout_s=rollout_s,
         train_s=step_s - rollout_s, queries=queries, tokens_per_s=tokens / step_s,
-        updated=sum(l['updated'] for l in lines.values()), rebalances=self._log_rebalances())
+        updated=sum(l['updated'] for l in lines.values()), rebalances=self._log_rebalances()))
     self.step += 1
     return lines
+
+  def _utilization(self) -> dict[str, float]:
+    """This step's busy fraction and bubbles per device group, from its spans."""
+    for agent in self.agents.values():
+      agent.timeline.drain()  # the step's work is done; its spans are being recorded
+    step = self.step + 1
+    report = utilization.step_report(self.recorder.spans()).get(step)
+    self.recorder.discard(step - 1)  # the previous step's spans may overlap this one
+    return utilization.step_scalars(report) if report else {}
 
   def _log_rebalances(self) -> int:
     """Append the balancer's new decisions to `WORKDIR/rebalances.jsonl`; how many."""
@@ -199,6 +215,8 @@ class JointOrchestrator:
     if start_step:
       log(f'resumed from step {start_step} in {self.workdir}')
     writer = MetricsWriter(self.workdir, start_step)
+    trace = os.path.join(self.workdir, spans.TRACE_FILE)
+    self.recorder.write_to(spans.TraceWriter(trace, start_step))
     t0 = self.clock.now()
     try:
       while self.step < self.spec.steps:
@@ -212,10 +230,12 @@ class JointOrchestrator:
     finally:
       writer.close()
       self.close()
-    return write_summary(self.workdir, self.clock.now() - t0)
+    return write_summary(self.workdir, self.clock.now() - t0,
+                         utilization.run_summary(spans.load_spans(trace)))
 
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store."""
     for agent in self.agents.values():
       agent.close()
     self.journal.close()
+    self.recorder.close()

@@ -7,14 +7,16 @@ with `rollout.devices=shared`), weights copied there in the trainer's layout.
 
 from __future__ import annotations
 
-import time
+import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import Group
+from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.placement import Placement
 from flexmarl.rollout.pool import Instance, InstancePool
@@ -24,12 +26,46 @@ from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.trainer import AgentTrainer, TrainBatch
 
 
+class Timeline:
+  """Spans of work dispatched to one device group, timed when their results are ready.
+
+  Dispatch returns at once (JAX runs the work asynchronously), so a thread waits for
+  each result in dispatch order; the device runs them in that order too, so a span
+  starts when it was dispatched or when the previous one ended, whichever is later."""
+
+  def __init__(self, recorder: spans.SpanRecorder, track: str):
+    self.recorder, self.track = recorder, track
+    self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=track)
+    self._last_end = -float('inf')
+
+  def add(self, name: str, outputs: Any, **args: Any) -> None:
+    start = self.recorder.clock.now()
+    args.setdefault('step', self.recorder.step)  # the step that dispatched it
+
+    def wait() -> None:
+      jax.block_until_ready(outputs)
+      end = self.recorder.clock.now()
+      self.recorder.add(self.track, name, max(start, self._last_end), end, **args)
+      self._last_end = end
+    self._waiter.submit(wait)
+
+  def drain(self) -> None:
+    """Wait until every span dispatched so far is recorded."""
+    self._waiter.submit(lambda: None).result()
+
+  def close(self) -> None:
+    self._waiter.shutdown(wait=True)
+
+
 class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
-               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int):
+               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int,
+               recorder: spans.SpanRecorder):
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
     self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.recorder = recorder
+    self.timeline = Timeline(recorder, f'train:{spec.name}')
 
   @property
   def name(self) -> str:
@@ -41,19 +77,27 @@ class Agent:
 
   def publish(self) -> None:
     """Send the trainer's current weights to every rollout instance of the agent."""
+    start = self.recorder.clock.now()
     self.pool.publish(self.trainer.params, self.trainer.version)
+    end = self.recorder.clock.now()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(self.trainer.params))
+    for inst in self.pool.instances:
+      self.recorder.add(f'rollout:{inst.name}', spans.WEIGHT_SYNC, start, end, agent=self.name,
+                        version=self.version, bytes=nbytes)
 
   def accumulate(self, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
     awaited: it runs on the training devices while the caller goes on)."""
-    trainer = self.trainer
-    self.trainer.accumulate(TrainBatch.from_rows(
+    batch = TrainBatch.from_rows(
         [g.turn.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.turn.tokens],
         [lp for g in micro for lp in g.turn.logprobs],
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
-        pad_id=self.pad_id, batch_multiple=trainer.batch_multiple))
+        pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple)
+    stats = self.trainer.accumulate(batch)
+    self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=self.version,
+                      tokens=batch.tokens)
 
   def start_step(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
                  ) -> Callable[[], dict[str, float]]:
@@ -62,19 +106,24 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens."""
-    t0 = time.perf_counter()
+    clock = self.recorder.clock
+    t0 = clock.now()
     lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
+    version = self.version
     result = self.trainer.dispatch_apply()
+    self.timeline.add(spans.OPTIMIZER_STEP, self.trainer.params, agent=self.name,
+                      version=version)
 
     def finish() -> dict[str, float]:
-      return dict(result(), train_s=time.perf_counter() - t0, rows=len(lags),
+      return dict(result(), train_s=clock.now() - t0, rows=len(lags),
                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
     return finish
 
   def close(self) -> None:
     self.checkpointer.wait()
+    self.timeline.close()
     for inst in self.pool.instances:
       inst.sampler.close()
 
@@ -99,7 +148,8 @@ def _sampler_factory(spec: AgentSpec, trainer: AgentTrainer, train_devices: tupl
 
 
 def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, workdir: str,
-               devices: Sequence[jax.Device]) -> dict[str, Agent]:
+               devices: Sequence[jax.Device], recorder: spans.SpanRecorder
+               ) -> dict[str, Agent]:
   """Every agent of `spec` on the devices `placement` gives it."""
   by_id = {d.id: d for d in devices}
   agents = {}
@@ -113,5 +163,6 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
     pool.params = trainer.params
     agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
-                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id)
+                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id,
+                         recorder=recorder)
   return agents

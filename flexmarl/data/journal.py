@@ -15,14 +15,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from flexmarl.data.groups import Group
+from flexmarl.metrics.spans import STORE_WRITE, SpanRecorder
 from flexmarl.rollout.engine import Turn
 from flexmarl.store.experience_store import ExperienceStore, Row
 
 
 class Journal:
 
-  def __init__(self, store: ExperienceStore, agents: Sequence[str]):
-    self.store = store
+  def __init__(self, store: ExperienceStore, agents: Sequence[str],
+               recorder: SpanRecorder | None = None):
+    self.store, self.recorder = store, recorder
     self._rows: dict[str, list[Row]] = {n: [] for n in agents}
     self._trained: dict[str, list[str]] = {n: [] for n in agents}
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='store')
@@ -49,8 +51,18 @@ class Journal:
     self.flush(wait=False)
     for name, rows in self._rows.items():
       if rows:
-        self._writes.append(self._writer.submit(self.store.append, name, rows))
+        self._writes.append(self._writer.submit(self._append, name, rows,
+                                                None if self.recorder is None
+                                                else self.recorder.step))
     self._rows = {n: [] for n in self._rows}
+
+  def _append(self, name: str, rows: Sequence[Row], step: int | None) -> None:
+    if self.recorder is None:
+      self.store.append(name, rows)
+      return
+    with self.recorder.span(f'store:{name}', STORE_WRITE, agent=name, rows=len(rows),
+                            step=step):
+      self.store.append(name, rows)
 
   def flush(self, wait: bool = True) -> None:
     """Re-raise any failed append; with `wait`, first let every pending one finish."""

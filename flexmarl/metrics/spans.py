@@ -168,6 +168,8 @@ class SpanRecorder:
   def __init__(self, clock: Clock, writer: TraceWriter | None = None):
     self.clock = clock
     self._writer = writer
+    # The step a span belongs to unless it says otherwise (the run loop sets it).
+    self.step: int | None = None
     self._spans: list[Span] = []
     self._lock = threading.Lock()
 
@@ -190,6 +192,7 @@ class SpanRecorder:
     if end < start:
       raise ValueError(f'span {name!r} on {track!r} ends before it starts '
                        f'(start={start}, end={end}): pass end >= start.')
+    args.setdefault('step', self.step)
     span = Span(track, name, float(start), float(end),
                 {k: v for k, v in args.items() if v is not None})
     with self._lock:
@@ -197,6 +200,12 @@ class SpanRecorder:
       if self._writer is not None:
         self._writer.write(span)
     return span
+
+  def write_to(self, writer: TraceWriter) -> None:
+    """Stream every span from now on to `writer` (a run knows where its trace resumes
+    only once it has restored its checkpoint)."""
+    with self._lock:
+      self._writer = writer
 
   def spans(self, step: int | None = None) -> list[Span]:
     """A copy of the spans in memory, all of them or those tagged `step`."""

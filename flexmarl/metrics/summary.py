@@ -20,10 +20,11 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
   return f"step {step}/{steps} [{team['step_time_s']:.2f}s, {team['tokens_per_s']:.0f} tok/s]  {agents}"
 
 
-def write_summary(workdir: str, wall_s: float, window: int = 5) -> dict:
+def write_summary(workdir: str, wall_s: float, utilization: dict | None = None,
+                  window: int = 5) -> dict:
   """Per agent: reward and accuracy of its first update, and the mean over its last
   `window` updates (single steps of small batches are noisy); NaN for an agent that
-  has not updated yet."""
+  has not updated yet. `utilization`: busy fractions per device group over the run."""
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   agents = sorted({l['agent'] for l in lines} - {TEAM})
   summary: dict = {'wall_s': wall_s, 'agents': {}}
@@ -40,6 +41,7 @@ def write_summary(workdir: str, wall_s: float, window: int = 5) -> dict:
   run_time = sum(l['step_time_s'] for l in team)
   summary['tokens_per_s'] = sum(l['tokens'] for l in team) / run_time if run_time else 0.0
   summary['steps'] = len(team)
+  summary['utilization'] = utilization or {}
   with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
     json.dump(summary, f, indent=2)
   return summary

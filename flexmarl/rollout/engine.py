@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from flexmarl.clock import Clock, RealClock
+from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
@@ -107,13 +108,14 @@ class RolloutEngine:
                group_sizes: Mapping[str, int], tokenizer: TextTokenizer, seed: int, *,
                clock: Clock | None = None, concurrency: int = 8, admission: str = 'stream',
                max_batch: int = 256, balancer: Balancer | None = None,
-               query_timeout_s: float = 0.0):
+               query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None):
     self.pools = dict(pools)
     self.sampling, self.group_sizes = dict(sampling), dict(group_sizes)
     self.tokenizer, self.seed = tokenizer, seed
     self.clock = clock or RealClock()
     self.concurrency, self.admission, self.max_batch = concurrency, admission, max_batch
     self.balancer, self.query_timeout_s = balancer, query_timeout_s
+    self.recorder = recorder
     # One private loop for every rollout: a fresh loop per call costs more than a small
     # model's whole generation step.
     self._loop = asyncio.new_event_loop()
@@ -261,7 +263,12 @@ class RolloutEngine:
 
   def _answer(self, inst: Instance) -> None:
     """Record the finished batch's turns and answer their workflows."""
-    batch, out, version = inst.collect(self.clock.now())
+    now = self.clock.now()
+    batch, out, version = inst.collect(now)
+    if self.recorder is not None:
+      self.recorder.add(f'rollout:{inst.name}', GENERATE, inst.started, now,
+                        agent=batch[0].agent, version=version, rows=int(len(out.lengths)),
+                        tokens=int(out.lengths.sum()))
     row = 0
     for r in batch:
       rows = range(row, row + r.n)

@@ -232,8 +232,9 @@ class AgentTrainer:
 
   # -- training -------------------------------------------------------------------------
 
-  def accumulate(self, batch: TrainBatch) -> None:
-    """Add one micro-batch's gradient (of the token-summed loss) to the accumulator."""
+  def accumulate(self, batch: TrainBatch) -> dict:
+    """Add one micro-batch's gradient (of the token-summed loss) to the accumulator;
+    returns its summed stats (device arrays, ready once the micro-batch is computed)."""
     self._bound()
     with jax.set_mesh(self.mesh):
       grads = self.state.grads
@@ -245,6 +246,7 @@ class AgentTrainer:
     self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)
     self._tokens += batch.tokens
+    return stats
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
