@@ -16,6 +16,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 400
+  steps = config.get_ref('steps')  # the entropy schedule follows `--config.steps`
   config.schedule = 'flexmarl'
   config.tokenizer = 'char'
   config.max_prompt_len = 10
@@ -23,7 +24,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
   config.rollout = dict(queries_per_wave=8, max_waves=4, devices='separate')  # 2 + 2 devices
-  grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=300,
+  grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=steps * 3 // 4,
               normalize_std=True)
   config.agents = dict(
       solver=agent_config('tiny', group_size=8, global_batch=64, micro_batch=32, grpo=grpo,

@@ -8,7 +8,7 @@ import pytest
 
 from experiments import hierarchical_assistant
 from flexmarl.config import ConfigError
-from flexmarl.main import train
+from flexmarl.run import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

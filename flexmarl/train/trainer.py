@@ -84,6 +84,11 @@ class TrainBatch:
   def tokens(self) -> int:
     return int(self.response_mask.sum())
 
+  @property
+  def rows(self) -> int:
+    """Real rows (padding rows have no response token)."""
+    return int(self.response_mask.any(axis=1).sum())
+
 
 def _round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
@@ -115,7 +120,7 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
   ratio = jnp.exp(logp - batch['behaviour_logprobs'])
   stats = {
       'entropy': grpo.masked_sum(entropy, mask),
-      'clipped': grpo.masked_sum((jnp.abs(ratio - 1.0) > cfg.clip_eps).astype(jnp.float32), mask),
+      'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(ratio, cfg), mask),
       'ratio_dev': grpo.masked_sum(jnp.abs(ratio - 1.0), mask),
   }
   return grpo.masked_sum(per_token, mask), stats
@@ -147,7 +152,7 @@ class AgentTrainer:
     self.version = 0
     self._grads = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
-    self._tokens = 0
+    self._tokens = self._rows = 0
     self.batch_multiple = mesh.shape['data']
     batch_sharding = sharding.batch_sharding(mesh)
 
@@ -157,8 +162,8 @@ class AgentTrainer:
               params, ref_params, batch, entropy_coef)
       return jax.tree.map(jnp.add, acc, grads), dict(stats, loss=loss)
 
-    def apply(params, opt_state, acc, tokens):
-      grads = jax.tree.map(lambda g: g / tokens, acc)
+    def apply(params, opt_state, acc, divisor):
+      grads = jax.tree.map(lambda g: g / divisor, acc)
       updates, opt_state = self.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
@@ -181,6 +186,7 @@ class AgentTrainer:
         np.float32(grpo.entropy_coef_at(self.grpo_cfg, self.version)))
     self._stats.append(stats)
     self._tokens += batch.tokens
+    self._rows += batch.rows
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
@@ -195,10 +201,11 @@ class AgentTrainer:
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
+    divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
     self.params, self.opt_state, grad_norm = self._apply(
-        self.params, self.opt_state, self._grads, np.float32(tokens))
+        self.params, self.opt_state, self._grads, np.float32(divisor))
     pending = self._stats
-    self._grads, self._stats, self._tokens = None, [], 0
+    self._grads, self._stats, self._tokens, self._rows = None, [], 0, 0
     self.version += 1
 
     def result() -> dict[str, float]:
