@@ -1,0 +1,50 @@
+"""summary.json: per agent, where its reward and accuracy started and ended."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from flexmarl.metrics.writer import TEAM, scan_metrics
+
+
+def _mean(lines: list[dict], key: str) -> float:
+  """Mean of `key` over `lines`, NaN values left out; NaN if none is known."""
+  known = [l[key] for l in lines if not math.isnan(l[key])]
+  return float(np.mean(known)) if known else math.nan
+
+
+def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
+  """Per agent: reward and accuracy as the mean over its first `window` updates and over
+  its last `window` (single steps of small batches are noisy); NaN for an agent without
+  updates. Steps are counted from every line, so one torn team line does not miscount."""
+  agents = sorted({l['agent'] for l in lines} - {TEAM})
+  summary: dict = {'wall_s': wall_s, 'agents': {}}
+  for agent in agents:
+    mine = sorted((l for l in lines if l['agent'] == agent and l.get('updated')),
+                  key=lambda l: l['step'])
+    first, last = mine[:window], mine[-window:]
+    summary['agents'][agent] = {
+        'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
+        'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
+        'updates': len(mine)}
+  team = [l for l in lines if l['agent'] == TEAM]
+  run_time = sum(l['step_time_s'] for l in team)
+  summary['tokens_per_s'] = sum(l['tokens'] for l in team) / run_time if run_time else 0.0
+  summary['steps'] = len({l['step'] for l in lines})
+  return summary
+
+
+def write_summary(workdir: str, wall_s: float, window: int = 5) -> dict:
+  """`summarize` the workdir's metrics.jsonl into summary.json; lines that could not be
+  read are listed under 'problems'."""
+  lines, problems = scan_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  summary = summarize(lines, wall_s, window)
+  if problems:
+    summary['problems'] = problems
+  with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+    json.dump(summary, f, indent=2)
+  return summary
