@@ -17,7 +17,7 @@ Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 
 import ml_collections
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, part_of_run
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -55,9 +55,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
         micro_batch=global_batch // 2,
         sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens),
         optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0,
-                       max_grad_norm=1.0, decay_steps=steps, final_lr_fraction=0.1),
+                       max_grad_norm=1.0, decay_steps=part_of_run(steps),
+                       final_lr_fraction=0.1),
         grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1,
-                  entropy_decay_steps=steps * 8 // 15, normalize_std=True))
+                  entropy_decay_steps=part_of_run(steps, 8, 15), normalize_std=True))
 
   # Global batches follow the expected load of a 24-query wave (Zipf 1.0 over 3
   # families: 55/27/18%); the family that learns fastest (add) is the rarest.

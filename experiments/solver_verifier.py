@@ -9,7 +9,7 @@ Smoke run: `--config=experiments/solver_verifier.py:runlocal`.
 
 import ml_collections
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, part_of_run
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -24,8 +24,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
   config.rollout = dict(queries_per_wave=8, max_waves=4, devices='separate')  # 2 + 2 devices
-  grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=steps * 3 // 4,
-              normalize_std=True)
+  grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1,
+              entropy_decay_steps=part_of_run(steps, 3, 4), normalize_std=True)
   config.agents = dict(
       solver=agent_config('tiny', group_size=8, global_batch=64, micro_batch=32, grpo=grpo,
                           sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2)),

@@ -64,10 +64,9 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
   """Default per-agent config; experiment files start from it and override fields.
 
   A dict override updates that section field by field (`grpo=dict(kl_coef=0.1)` keeps
-  the other GRPO fields). `grpo.clip_eps_low` / `clip_eps_high` follow `grpo.clip_eps`
-  unless set.
+  the other GRPO fields). `grpo.clip_eps_low` / `clip_eps_high` are `clip_eps` unless set.
   """
-  clip_eps = ml_collections.FieldReference(0.2)
+  unset = lambda: ml_collections.config_dict.placeholder(float)
   cfg = ml_collections.ConfigDict(dict(
       model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
                  dtype='float32'),
@@ -78,7 +77,7 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=4),
       optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
                      decay_steps=0, final_lr_fraction=0.1),
-      grpo=dict(clip_eps=clip_eps, clip_eps_low=clip_eps, clip_eps_high=clip_eps,
+      grpo=dict(clip_eps=0.2, clip_eps_low=unset(), clip_eps_high=unset(),
                 kl_coef=0.0, entropy_coef=0.0, entropy_decay_steps=0, normalize_std=True,
                 loss_norm='token', dynamic_sampling=False),
   ))
@@ -94,15 +93,25 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
   return cfg
 
 
+def part_of_run(steps: ml_collections.FieldReference, num: int = 1, den: int = 1
+                ) -> ml_collections.FieldReference:
+  """A schedule length that follows the run's length: `num/den` of `config.get_ref('steps')`.
+
+  `--config.steps=300` changes it too; setting the field itself (a derived reference)
+  replaces it without touching `steps`.
+  """
+  return steps * num // den
+
+
 def _fail(field: str, value: Any, fix: str) -> None:
   raise ConfigError(f'config.{field}={value!r}: {fix}')
 
 
-def check_finite(config: Mapping, prefix: str = '') -> None:
+def check_finite(config: Mapping | ml_collections.ConfigDict, prefix: str = '') -> None:
   """Every number anywhere in the config is finite (NaN passes `x <= 0` checks)."""
   for key, value in config.items():
     field = f'{prefix}{key}'
-    if isinstance(value, Mapping):
+    if isinstance(value, (Mapping, ml_collections.ConfigDict)):
       check_finite(value, f'{field}.')
     elif isinstance(value, (list, tuple)):
       check_finite(dict(enumerate(value)), f'{field}.')
@@ -185,10 +194,10 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
   _int(f'{f}.optimizer.decay_steps', o.decay_steps, 0)
   g = a.grpo
   for key in ('clip_eps', 'clip_eps_low', 'clip_eps_high'):
-    if key in g:
+    if g.get(key) is not None:
       _in_range(f'{f}.grpo.{key}', g[key], 0.0, math.inf, 'must be >= 0 (0.2 is usual; DAPO '
                 'uses clip_eps_high=0.28).')
-  if 'clip_eps_low' in g and g.clip_eps_low >= 1:
+  if g.get('clip_eps_low') is not None and g.clip_eps_low >= 1:
     _fail(f'{f}.grpo.clip_eps_low', g.clip_eps_low, 'must be < 1 (the ratio stays > 0).')
   for key in ('kl_coef', 'entropy_coef'):
     _in_range(f'{f}.grpo.{key}', g[key], 0.0, math.inf, 'must be >= 0.')
