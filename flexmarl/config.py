@@ -259,7 +259,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int, num_devi
           f'{" (training and rollout.devices=separate)" if separate else ""} but '
           f'{num_devices} are available; shrink the meshes'
           f'{", or set rollout.devices=shared" if separate else ""} (on CPU, set '
-          'XLA_FLAGS=--xla_force_host_platform_device_count=N first).')
+          'XLA_FLAGS=--xla_force_host_platform_device_count=N first; with fewer '
+          'accelerators than that, e.g. one GPU, also JAX_PLATFORMS=cpu).')
   _int('checkpoint_every', config.checkpoint_every, 1)
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness,

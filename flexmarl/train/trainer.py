@@ -139,8 +139,9 @@ class AgentTrainer:
     self.shardings = sharding.param_shardings(state, mesh)
     self.params = jax.device_put(nnx.to_pure_dict(state), self.shardings)
     self.tx = make_optimizer(opt_cfg)
-    # Eager init keeps each moment on its parameter's sharding (FACTS.md); scalars
-    # (step counts) land on the default device, so move those onto the mesh.
+    # Eager init keeps each moment on its parameter's sharding (jax.jit(tx.init) puts the
+    # whole state on one device); scalars (step counts) land on the default device, so
+    # move those onto the mesh.
     mesh_devices = set(mesh.devices.flat)
     self.opt_state = jax.tree.map(
         lambda x: x if x.sharding.device_set <= mesh_devices
