@@ -239,7 +239,7 @@ def test_bad_workflow_is_refused_before_any_work(tmp_path, case):
 
 
 def test_workflow_that_hangs_is_named():
-  with pytest.raises(WorkflowError, match='query q0: workflow.run did not finish within 0s'):
+  with pytest.raises(WorkflowError, match='query q0: workflow.run did not finish within 0.2s'):
     dry_run(_variant(run=_hang), {'solver': 2}, seed=0, timeout_s=0.2)
 
 

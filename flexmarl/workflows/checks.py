@@ -52,6 +52,19 @@ def check_episode(query_id: str, served_sample_ids: Iterable[str], episode: obje
                         'without samples trains nothing: await agents[name].generate(prompt).')
 
 
+def run_error(query_id: str, error: BaseException, fix: str = '') -> WorkflowError:
+  """An exception raised inside `workflow.run`, with the query it happened on."""
+  return WorkflowError(f'query {query_id}: workflow.run raised {type(error).__name__}: {error} '
+                       f'{fix or "(see the traceback above); fix the workflow."}')
+
+
+def timeout_error(query_id: str, seconds: float, context: str = '') -> WorkflowError:
+  """A query whose episode did not finish in time (it awaits something that never does)."""
+  return WorkflowError(f'query {query_id}: workflow.run did not finish within {seconds:g}s'
+                       f'{" " + context if context else ""}; it awaits something that never '
+                       'completes (or raise the per-query timeout).')
+
+
 class _StandIn:
   """An agent that answers every request with `n` empty completions, recording prompts."""
 
@@ -116,13 +129,10 @@ def dry_run(workflow: Workflow, group_sizes: Mapping[str, int], seed: int, queri
     except WorkflowError:
       raise
     except asyncio.TimeoutError:
-      raise WorkflowError(f'query {query.query_id}: workflow.run did not finish within '
-                          f'{timeout_s:.0f}s with agents that answer at once; it awaits '
-                          'something that never completes.') from None
+      raise timeout_error(query.query_id, timeout_s, 'with agents that answer at once') from None
     except Exception as e:  # noqa: BLE001 — user code
-      raise WorkflowError(f'query {query.query_id}: workflow.run raised {type(e).__name__}: {e} '
-                          '(with every completion text empty, which a policy can answer: '
-                          'EOS first); handle that case.') from e
+      raise run_error(query.query_id, e, '(with every completion text empty, which a policy '
+                      'can answer: EOS first); handle that case.') from e
     check_episode(query.query_id, [s for _, _, ids in log for s in ids], episode)
     return log
 
