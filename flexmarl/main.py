@@ -28,9 +28,9 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(f'FATAL Flags parsing error: {e}\nFix: give each --config.FIELD a value of '
-             "the field's type (see the experiment file), and an existing --config file; "
-             '--helpfull lists the flags.')
+    sys.exit(f'FATAL Flags parsing error: {e}\nFix: give --config (an experiment file) and '
+             "--workdir, and each --config.FIELD a value of that field's type (see the "
+             'experiment file); --helpfull lists the flags.')
   except Exception as e:  # noqa: BLE001 — the experiment file itself raised
     config = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '?')
     sys.exit(f'--config={config}: the experiment file raised {type(e).__name__}: {e}\n'
@@ -40,6 +40,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def main(argv):
   del argv
+  # Imported here: jax loads only once the flags are parsed.
+  from flexmarl.config import ConfigError
+  from flexmarl.workdir import WorkdirError
+  from flexmarl.workflows.checks import WorkflowError
   config = _CONFIG.value
   if not isinstance(config, ml_collections.ConfigDict):  # the file could not be loaded
     try:
@@ -48,7 +52,10 @@ def main(argv):
       sys.exit(f'--config={flags.FLAGS["config"].config_filename}: cannot load it: {e}\n'
                'Fix: give the path of an experiment file that defines get_config(), e.g. '
                '--config=experiments/hierarchical_assistant.py.')
-  train(config, _WORKDIR.value, experiment=flags.FLAGS['config'].config_filename)
+  try:
+    train(config, _WORKDIR.value, experiment=flags.FLAGS['config'].config_filename)
+  except (ConfigError, WorkflowError, WorkdirError) as e:  # the message names the fix
+    sys.exit(f'{type(e).__name__}: {e}')
 
 
 if __name__ == '__main__':

@@ -79,6 +79,7 @@ def test_a_missing_workflow_module_names_the_path_searched(tmp_path):
   out = _run(['-m', 'flexmarl.main', '--config=exp.py', '--workdir=run'], cwd=tmp_path)
   assert out.returncode != 0
   assert "cannot import module 'my_flows'" in out.stderr and 'sys.path' in out.stderr
+  assert 'Traceback' not in out.stderr
   assert str(tmp_path) in out.stderr  # the folder searched
   assert not (tmp_path / 'run').exists()
 
