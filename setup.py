@@ -5,8 +5,9 @@ from setuptools import find_packages, setup
 setup(
     name='flexmarl',
     version='0.1.0',
-    description='Train teams of LLM agents with RL in JAX: micro-batch pipeline, '
-                'experience store, load-balanced rollout, on-demand training meshes.',
+    description='Train teams of LLM agents with GRPO in JAX: a micro-batch pipeline that '
+                'gives the parameters of synchronous training, bounded-staleness async '
+                'training, and a crash-safe TensorStore experience store.',
     packages=find_packages(include=['flexmarl', 'flexmarl.*']),
     python_requires='>=3.11',
     install_requires=[

@@ -17,13 +17,15 @@ Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 
 import ml_collections
 
-from flexmarl.config import agent_config, rollout_config
+from flexmarl.config import agent_config, part_of_run, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 1500
+  # Schedules follow the run's length: `--config.steps=300` shortens them too.
+  steps = config.get_ref('steps')
   config.schedule = 'flexmarl'  # the micro-batch pipeline: the same parameters as 'sync'
   config.tokenizer = 'char'
   config.max_prompt_len = 8
@@ -48,16 +50,17 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
 
   def agent(group_size: int, global_batch: int, max_new_tokens: int) -> ml_collections.ConfigDict:
     # An entropy bonus of 0.1 keeps tiny policies from collapsing onto one answer in
-    # their first updates; annealing it (and the learning rate) keeps solved agents
-    # from drifting late in the run.
+    # their first updates; annealing it (over the first 8/15 of the run) and the learning
+    # rate (over the whole run) keeps solved agents from drifting late in the run.
     return agent_config(
         'tiny', group_size=group_size, global_batch=global_batch,
         micro_batch=global_batch // 2,
         sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens),
         optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0,
-                       max_grad_norm=1.0, decay_steps=1500, final_lr_fraction=0.1),
-        grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1, entropy_decay_steps=800,
-                  normalize_std=True))
+                       max_grad_norm=1.0, decay_steps=part_of_run(steps),
+                       final_lr_fraction=0.1),
+        grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1,
+                  entropy_decay_steps=part_of_run(steps, 8, 15), normalize_std=True))
 
   # Global batches follow the expected load of a 24-query wave (Zipf 1.0 over 3
   # families: 55/27/18%); the family that learns fastest (add) is the rarest.

@@ -8,6 +8,8 @@ raises `ConfigError` naming the field, the bad value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +20,7 @@ from flexmarl.errors import ConfigError
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
-from flexmarl.train.grpo import GRPOConfig
+from flexmarl.train.grpo import LOSS_NORMS, GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
@@ -109,7 +111,12 @@ def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:
-  """Default per-agent config; experiment files start from it and override fields."""
+  """Default per-agent config; experiment files start from it and override fields.
+
+  A dict override updates that section field by field (`grpo=dict(kl_coef=0.1)` keeps
+  the other GRPO fields). `grpo.clip_eps_low` / `clip_eps_high` are `clip_eps` unless set.
+  """
+  unset = lambda: ml_collections.config_dict.placeholder(float)
   cfg = ml_collections.ConfigDict(dict(
       model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
                  dtype='float32'),
@@ -124,16 +131,70 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=4),
       optimizer=dict(learning_rate=3e-3, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
                      decay_steps=0, final_lr_fraction=0.1),
-      grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.0, entropy_decay_steps=0,
-                normalize_std=True),
+      grpo=dict(clip_eps=0.2, clip_eps_low=unset(), clip_eps_high=unset(),
+                kl_coef=0.0, entropy_coef=0.0, entropy_decay_steps=0, normalize_std=True,
+                loss_norm='token', dynamic_sampling=False),
   ))
   for key, value in overrides.items():
-    cfg[key] = value
+    if isinstance(value, Mapping) and isinstance(cfg.get(key), ml_collections.ConfigDict):
+      unknown = sorted(set(value) - set(cfg[key]))
+      if unknown:
+        _fail(f'{key}', dict(value), f'unknown field(s) {unknown}; known: {sorted(cfg[key])}.')
+      for field, v in value.items():
+        cfg[key][field] = v
+    else:
+      cfg[key] = value
   return cfg
+
+
+def part_of_run(steps: ml_collections.FieldReference, num: int = 1, den: int = 1
+                ) -> ml_collections.FieldReference:
+  """A schedule length that follows the run's length: `num/den` of `config.get_ref('steps')`.
+
+  `--config.steps=300` changes it too; setting the field itself (a derived reference)
+  replaces it without touching `steps`.
+  """
+  return steps * num // den
 
 
 def _fail(field: str, value: Any, fix: str) -> None:
   raise ConfigError(f'config.{field}={value!r}: {fix}')
+
+
+def check_finite(config: Mapping | ml_collections.ConfigDict, prefix: str = '') -> None:
+  """Every number anywhere in the config is finite (NaN passes `x <= 0` checks)."""
+  for key, value in config.items():
+    field = f'{prefix}{key}'
+    if isinstance(value, (Mapping, ml_collections.ConfigDict)):
+      check_finite(value, f'{field}.')
+    elif isinstance(value, (list, tuple)):
+      check_finite(dict(enumerate(value)), f'{field}.')
+    elif isinstance(value, numbers.Real) and not math.isfinite(value):
+      _fail(field, value, 'must be a finite number.')
+
+
+def _int(field: str, value: Any, minimum: int) -> int:
+  """A whole number >= minimum (not a bool, not a string)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    _fail(field, value, f'give a whole number >= {minimum} (got {type(value).__name__}).')
+  if value < minimum:
+    _fail(field, value, f'must be >= {minimum}.')
+  return int(value)
+
+
+def _in_range(field: str, value: Any, low: float, high: float, fix: str = '') -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+    _fail(field, value, fix or f'must be a number in [{low}, {high}].')
+
+
+def _section(a: ml_collections.ConfigDict, key: str, cls, field: str, **extra) -> Any:
+  """`cls(**a[key], **extra)`, with an unknown field named."""
+  values = a[key].to_dict()
+  known = {f.name for f in dataclasses.fields(cls)} - set(extra)
+  unknown = sorted(set(values) - known)
+  if unknown:
+    _fail(f'{field}.{key}', values, f'unknown field(s) {unknown}; known: {sorted(known)}.')
+  return cls(**values, **extra)
 
 
 def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> AgentSpec:
@@ -154,8 +215,7 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
   except (TypeError, ValueError) as e:
     raise ConfigError(f'config.{f}.model: {e}') from None
   for key in ('group_size', 'global_batch', 'micro_batch'):
-    if a[key] < 1:
-      _fail(f'{f}.{key}', a[key], 'must be a positive number of samples.')
+    _int(f'{f}.{key}', a[key], 1)
   if a.global_batch % a.group_size:
     _fail(f'{f}.global_batch', a.global_batch,
           f'must be a multiple of group_size={a.group_size} (GRPO groups are never split).')
@@ -175,10 +235,29 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
     _fail(f'{f}.sampling.temperature', s.temperature, 'must be > 0.')
   if not 0 < s.top_p <= 1:
     _fail(f'{f}.sampling.top_p', s.top_p, 'must be in (0, 1].')
-  if s.max_new_tokens < 1:
-    _fail(f'{f}.sampling.max_new_tokens', s.max_new_tokens, 'must be >= 1.')
-  if a.optimizer.learning_rate <= 0:
-    _fail(f'{f}.optimizer.learning_rate', a.optimizer.learning_rate, 'must be > 0.')
+  _int(f'{f}.sampling.max_new_tokens', s.max_new_tokens, 1)
+  o = a.optimizer
+  if o.learning_rate <= 0:
+    _fail(f'{f}.optimizer.learning_rate', o.learning_rate, 'must be > 0.')
+  if o.max_grad_norm <= 0:
+    _fail(f'{f}.optimizer.max_grad_norm', o.max_grad_norm, 'must be > 0.')
+  for key in ('b1', 'b2'):
+    _in_range(f'{f}.optimizer.{key}', o[key], 0.0, 0.999999, 'must be in [0, 1).')
+  _in_range(f'{f}.optimizer.weight_decay', o.weight_decay, 0.0, math.inf)
+  _in_range(f'{f}.optimizer.final_lr_fraction', o.final_lr_fraction, 0.0, 1.0)
+  _int(f'{f}.optimizer.decay_steps', o.decay_steps, 0)
+  g = a.grpo
+  for key in ('clip_eps', 'clip_eps_low', 'clip_eps_high'):
+    if g.get(key) is not None:
+      _in_range(f'{f}.grpo.{key}', g[key], 0.0, math.inf, 'must be >= 0 (0.2 is usual; DAPO '
+                'uses clip_eps_high=0.28).')
+  if g.get('clip_eps_low') is not None and g.clip_eps_low >= 1:
+    _fail(f'{f}.grpo.clip_eps_low', g.clip_eps_low, 'must be < 1 (the ratio stays > 0).')
+  for key in ('kl_coef', 'entropy_coef'):
+    _in_range(f'{f}.grpo.{key}', g[key], 0.0, math.inf, 'must be >= 0.')
+  _int(f'{f}.grpo.entropy_decay_steps', g.entropy_decay_steps, 0)
+  if g.get('loss_norm', 'token') not in LOSS_NORMS:
+    _fail(f'{f}.grpo.loss_norm', g.loss_norm, f'choose one of {list(LOSS_NORMS)}.')
   r = a.get('rollout', ml_collections.ConfigDict(dict(instances=1)))
   instances = r.get('instances', 1)
   lo, hi = r.get('min_instances', 1), r.get('max_instances', 0) or 2**31
@@ -187,9 +266,10 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
           'need 1 <= min_instances <= instances <= max_instances (max_instances 0: no bound).')
   return AgentSpec(
       name=name, model=model_cfg,
-      sampling=SamplingParams(**s.to_dict()),
-      optimizer=OptimizerConfig(**a.optimizer.to_dict()),
-      grpo=GRPOConfig(temperature=s.temperature, **a.grpo.to_dict()),
+      sampling=_section(a, 'sampling', SamplingParams, f),
+      optimizer=_section(a, 'optimizer', OptimizerConfig, f),
+      grpo=_section(a, 'grpo', GRPOConfig, f, temperature=s.temperature,
+                    max_new_tokens=s.max_new_tokens),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
       mesh_shape=mesh, train_devices=tuple(a.get('train_devices', ())), instances=instances,
       min_instances=lo, max_instances=hi,
@@ -237,10 +317,11 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
                     device_ids: Sequence[int], workflow_agents: Sequence[str]) -> TeamSpec:
   """Check the whole config and place the agents on `device_ids`; raise ConfigError on
   the first bad field."""
+  check_finite(config)
   schedule, max_staleness = parse_schedule(config.schedule)
-  if config.steps < 1:
-    _fail('steps', config.steps, 'must be >= 1.')
-  if config.max_prompt_len < 2:
+  _int('seed', config.seed, 0)
+  _int('steps', config.steps, 1)
+  if _int('max_prompt_len', config.max_prompt_len, 1) < 2:
     _fail('max_prompt_len', config.max_prompt_len, 'must be >= 2 (BOS and one token).')
   if not config.agents:
     _fail('agents', {}, 'define at least one agent (see flexmarl.config.agent_config).')
@@ -254,9 +335,29 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices) for n, a in agents.items()},
       rollout.devices, device_ids)
-  if config.checkpoint_every < 1:
-    _fail('checkpoint_every', config.checkpoint_every, 'must be >= 1 (steps).')
+  _int('checkpoint_every', config.checkpoint_every, 1)
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every)
+
+
+def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizer,
+                         max_prompt_len: int) -> None:
+  """Every prompt of a dry run (agent, prompt, sample_ids) encodes and fits `max_prompt_len`.
+
+  Prompts that embed an earlier answer are measured with that answer empty, so they
+  can be longer in the run: leave room for `max_new_tokens` there."""
+  longest = (0, '', '')
+  for agent, prompt, ids in requests:
+    query = ids[0].rsplit('_', 2)[0] if ids else '?'
+    try:
+      n = len(tokenizer.encode(prompt))
+    except ValueError as e:
+      raise ConfigError(f'query {query}, agent {agent!r}: {e}') from None
+    longest = max(longest, (n, agent, prompt))
+  n, agent, prompt = longest
+  if n > max_prompt_len:
+    _fail('max_prompt_len', max_prompt_len,
+          f'agent {agent!r} is asked {prompt!r}, {n} tokens with BOS; set max_prompt_len >= {n} '
+          '(more if prompts embed earlier answers).')

@@ -26,8 +26,10 @@ class TextTokenizer:
   """
 
   def __init__(self, tokenizer: Tokenizer, *, eos: str = EOS, bos: str | None = BOS,
-               pad: str | None = PAD):
+               pad: str | None = PAD, alphabet: str | None = None):
+    """`alphabet`: the only characters `encode` accepts (the char tokenizer's), or None."""
     self.hf = tokenizer
+    self.alphabet = alphabet
     vocab = tokenizer.get_vocab()
     for role, special in (('eos', eos), ('bos', bos), ('pad', pad)):
       if special is not None and special not in vocab:
@@ -41,6 +43,12 @@ class TextTokenizer:
 
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`, with BOS in front when the tokenizer has one."""
+    if self.alphabet is not None:
+      unknown = next((c for c in text if c not in self.alphabet), None)
+      if unknown is not None:
+        raise ValueError(f'character {unknown!r} of {text!r} is not in the char tokenizer\'s '
+                         f'alphabet {self.alphabet!r}; write prompts with those characters '
+                         '(e.g. lower-case them), or use an HF tokenizer (config.tokenizer).')
     ids = self.hf.encode(text, add_special_tokens=False).ids
     return ids if self.bos_id is None else [self.bos_id] + ids
 
@@ -71,7 +79,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   tok.pre_tokenizer = pre_tokenizers.Split(pattern='', behavior='isolated')
   tok.decoder = decoders.Fuse()
   tok.add_special_tokens([PAD, BOS, EOS])
-  return TextTokenizer(tok)
+  return TextTokenizer(tok, alphabet=chars)
 
 
 def _special(value) -> str | None:

@@ -8,7 +8,7 @@ import pytest
 
 from experiments import hierarchical_assistant
 from flexmarl.config import ConfigError
-from flexmarl.main import train
+from flexmarl.run import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,11 +97,16 @@ def test_experiment_configs_are_valid(name, arg):
 
   import jax
 
-  from flexmarl.config import build_team_spec
+  from flexmarl.config import build_team_spec, check_prompt_lengths
   from flexmarl.tokenizer import build_char_tokenizer
   from flexmarl.workflows import build_workflow
+  from flexmarl.workflows.checks import check_workflow
   config = importlib.import_module(f'experiments.{name}').get_config(arg)
   workflow = build_workflow(config.workflow)
-  spec = build_team_spec(config, build_char_tokenizer().vocab_size, [d.id for d in jax.devices()],
+  tokenizer = build_char_tokenizer()
+  spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
                          workflow.agent_names())
   assert set(spec.agents) == set(workflow.agent_names())
+  # The dry run of the workflow, and its prompts against max_prompt_len.
+  requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()}, 0)
+  check_prompt_lengths(requests, tokenizer, spec.max_prompt_len)

@@ -107,3 +107,44 @@ def test_sharded_trainer_matches_single_device():
   gate = mesh.params['blocks'][0]['mlp']['gate']
   assert gate.sharding.spec == jax.sharding.PartitionSpec(None, 'model')
   assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}
+
+
+def test_clip_higher_by_hand():
+  """DAPO: the ratio is clipped to [1 - 0.2, 1 + 0.28]."""
+  cfg = grpo.GRPOConfig(clip_eps=0.2, clip_eps_high=0.28)
+  assert cfg.clip_range == (0.2, 0.28)
+  behaviour = jnp.log(jnp.array([[0.5, 0.5]]))
+  new = jnp.log(jnp.array([[0.8, 0.25]]))  # ratios 1.6 and 0.5
+  ent = jnp.zeros((1, 2))
+  pos = grpo.grpo_token_loss(new, behaviour, jnp.array([2.0]), ent, None, cfg, 0.0)
+  # A>0: min(1.6*2, 1.28*2) = 2.56 ; min(0.5*2, 0.8*2) = 1.0
+  np.testing.assert_allclose(pos, [[-2.56, -1.0]], rtol=1e-6)
+  neg = grpo.grpo_token_loss(new, behaviour, jnp.array([-1.0]), ent, None, cfg, 0.0)
+  # A<0: min(-1.6, -1.28) = -1.6 ; min(-0.5, -0.8) = -0.8
+  np.testing.assert_allclose(neg, [[1.6, 0.8]], rtol=1e-6)
+  low = grpo.GRPOConfig(clip_eps=0.2, clip_eps_low=0.1)
+  np.testing.assert_allclose(  # A<0, ratio 0.5: min(-0.5, -0.9) = -0.9
+      grpo.grpo_token_loss(new, behaviour, jnp.array([-1.0]), ent, None, low, 0.0), [[1.6, 0.9]],
+      rtol=1e-6)
+  np.testing.assert_array_equal(
+      grpo.clipped_fraction_terms(jnp.array([0.75, 0.85, 1.25, 1.3]), cfg), [1, 0, 0, 1])
+
+
+def test_dr_grpo_constant_normaliser_by_hand():
+  """Dr. GRPO: the summed loss is divided by rows x max_new_tokens, not by the tokens."""
+  cfg = grpo.GRPOConfig(loss_norm='constant', normalize_std=False, max_new_tokens=4)
+  assert grpo.loss_divisor(cfg, tokens=7, rows=3) == 12.0
+  assert grpo.loss_divisor(grpo.GRPOConfig(max_new_tokens=4), tokens=7, rows=3) == 7.0
+  np.testing.assert_allclose(grpo.group_advantages(np.array([1.0, 0.0, 0.0, 1.0]), 4, False),
+                             [0.5, -0.5, -0.5, 0.5])
+  rows = TrainBatch.from_rows([[1, 2], [3]], [np.array([4]), np.array([5, 6, 7])],
+                              [np.zeros(1), np.zeros(3)], np.zeros(2), prompt_len=4,
+                              response_len=4, pad_id=0)
+  assert (rows.rows, rows.tokens, len(rows.advantages)) == (2, 4, 2)
+
+
+def test_zero_spread_on_a_hand_built_batch():
+  groups = [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5], [2.0], [0.25, 0.75]]
+  assert [grpo.zero_spread(g) for g in groups] == [True, False, True, True, False]
+  assert grpo.zero_spread_fraction(groups) == 0.6
+  assert np.isnan(grpo.zero_spread_fraction([]))

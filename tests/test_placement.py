@@ -4,7 +4,7 @@ import pytest
 
 from flexmarl import placement as pl
 from flexmarl.errors import ConfigError
-from flexmarl.main import train
+from flexmarl.run import train
 from test_team import two_agent_config
 
 IDS = list(range(8))

@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from flexmarl.main import train
+from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
 from test_team import two_agent_config
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from flexmarl.main import train
+from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.team import Agent
 from flexmarl.store.experience_store import ExperienceStore

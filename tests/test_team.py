@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from flexmarl.config import agent_config, rollout_config
-from flexmarl.main import train
+from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
 
 REQUIRED = {'step', 'agent', 'reward_mean', 'reward_std', 'accuracy', 'policy_version',

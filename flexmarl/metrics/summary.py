@@ -1,15 +1,17 @@
-"""The run's summary (`summary.json`) and its progress lines."""
+"""summary.json (per agent, where its reward and accuracy started and ended) and the
+progress line of a step."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+
 from collections.abc import Mapping
 
 import numpy as np
 
-from flexmarl.metrics.writer import TEAM, read_metrics
+from flexmarl.metrics.writer import TEAM, scan_metrics
 
 
 def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]]) -> str:
@@ -20,28 +22,42 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
   return f"step {step}/{steps} [{team['step_time_s']:.2f}s, {team['tokens_per_s']:.0f} tok/s]  {agents}"
 
 
-def write_summary(workdir: str, wall_s: float, utilization: dict | None = None,
-                  window: int = 5) -> dict:
-  """Per agent: reward and accuracy of its first update, and the mean over its last
-  `window` updates (single steps of small batches are noisy); NaN for an agent that
-  has not updated yet. `utilization`: busy fractions per device group over the run."""
-  lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+def _mean(lines: list[dict], key: str) -> float:
+  """Mean of `key` over `lines`, NaN values left out; NaN if none is known."""
+  known = [l[key] for l in lines if not math.isnan(l[key])]
+  return float(np.mean(known)) if known else math.nan
+
+
+def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
+  """Per agent: reward and accuracy as the mean over its first `window` updates and over
+  its last `window` (single steps of small batches are noisy); NaN for an agent without
+  updates. Steps are counted from every line, so one torn team line does not miscount."""
   agents = sorted({l['agent'] for l in lines} - {TEAM})
   summary: dict = {'wall_s': wall_s, 'agents': {}}
   for agent in agents:
-    mine = sorted((l for l in lines if l['agent'] == agent and l['updated']),
+    mine = sorted((l for l in lines if l['agent'] == agent and l.get('updated')),
                   key=lambda l: l['step'])
-    first, last = mine[:1], mine[-window:]
-    mean = lambda ls, key: float(np.mean([l[key] for l in ls])) if ls else math.nan
+    first, last = mine[:window], mine[-window:]
     summary['agents'][agent] = {
-        'first_reward': mean(first, 'reward_mean'), 'first_accuracy': mean(first, 'accuracy'),
-        'last_reward': mean(last, 'reward_mean'), 'last_accuracy': mean(last, 'accuracy'),
+        'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
+        'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
         'updates': len(mine)}
   team = [l for l in lines if l['agent'] == TEAM]
   run_time = sum(l['step_time_s'] for l in team)
   summary['tokens_per_s'] = sum(l['tokens'] for l in team) / run_time if run_time else 0.0
-  summary['steps'] = len(team)
+  summary['steps'] = len({l['step'] for l in lines})
+  return summary
+
+
+def write_summary(workdir: str, wall_s: float, utilization: dict | None = None,
+                  window: int = 5) -> dict:
+  """`summarize` the workdir's metrics.jsonl into summary.json; lines that could not be
+  read are listed under 'problems'. `utilization`: busy fractions per device group."""
+  lines, problems = scan_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  summary = summarize(lines, wall_s, window)
   summary['utilization'] = utilization or {}
+  if problems:
+    summary['problems'] = problems
   with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
     json.dump(summary, f, indent=2)
   return summary

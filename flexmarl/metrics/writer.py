@@ -2,7 +2,9 @@
 
 One JSON object per line, per agent per step and one 'team' line per step. On
 resume the lines past the restored step (written after the last checkpoint by a
-run that then died) are dropped, since the resumed run writes them again.
+run that then died) are dropped, since the resumed run writes them again. A line
+that does not parse (a torn write) or a missing file is never passed over in
+silence: `scan_metrics` names it, and the writer keeps what it found in `problems`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from absl import logging
 from tensorboardX import SummaryWriter
 
 TEAM = 'team'
@@ -21,6 +24,10 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, resume_step: int = 0):
     self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.problems: list[str] = []  # what was wrong with the file on resume, for the log
+    if resume_step and not os.path.exists(self.path):
+      self.problems.append(f'{self.path} is missing: steps 1..{resume_step} have no metrics '
+                           'lines (the run resumes; summary.json covers only the steps written).')
     self._truncate_after(resume_step)
     self._file = open(self.path, 'a', encoding='utf-8')
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
@@ -28,7 +35,9 @@ class MetricsWriter:
   def _truncate_after(self, step: int) -> None:
     if not os.path.exists(self.path):
       return
-    kept = [line for line in read_metrics(self.path) if line['step'] <= step]
+    lines, problems = scan_metrics(self.path)
+    self.problems += problems
+    kept = [line for line in lines if line['step'] <= step]
     tmp = self.path + '.tmp'
     with open(tmp, 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(line) + '\n' for line in kept)
@@ -47,13 +56,27 @@ class MetricsWriter:
     self._tb.close()
 
 
-def read_metrics(path: str) -> list[dict]:
-  """All lines of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
-  lines = []
+def scan_metrics(path: str) -> tuple[list[dict], list[str]]:
+  """The parsed lines of a metrics.jsonl, and a message for each line that was skipped
+  (torn by a crash mid-write, or edited) or for a missing file."""
+  if not os.path.exists(path):
+    return [], [f'{path} is missing; no metrics to read.']
+  lines, problems = [], []
   with open(path, encoding='utf-8') as f:
-    for raw in f:
+    for number, raw in enumerate(f, 1):
       try:
-        lines.append(json.loads(raw))
-      except json.JSONDecodeError:
-        continue
+        line = json.loads(raw)
+        if not isinstance(line, dict) or not {'step', 'agent'} <= set(line):
+          raise ValueError('not a metrics object with step and agent')
+        lines.append(line)
+      except ValueError as e:  # JSONDecodeError is a ValueError
+        problems.append(f'{path}:{number} skipped, it does not parse ({e}): {raw[:80]!r}')
+  return lines, problems
+
+
+def read_metrics(path: str) -> list[dict]:
+  """The parsed lines of a metrics.jsonl; each skipped line is logged as a warning."""
+  lines, problems = scan_metrics(path)
+  for problem in problems:
+    logging.warning('%s', problem)
   return lines

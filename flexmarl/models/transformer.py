@@ -9,8 +9,8 @@ eagerly); `flexmarl.models.sharding` maps them onto a `jax.sharding.Mesh`.
 
 The forward pass is functional in its KV cache: training calls it without a cache,
 the sampler passes a cache and gets the updated cache back. That keeps the hot
-loops as pure `jax.jit` functions over split state (see FACTS.md: `nnx.jit` costs
-far more per call).
+loops as pure `jax.jit` functions over split state (`nnx.jit` costs about 0.6 ms
+per call against 0.04 ms for `jax.jit` on split state).
 """
 
 from __future__ import annotations

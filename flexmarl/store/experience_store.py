@@ -195,9 +195,10 @@ class _Prepared:
 class ExperienceStore:
   """Per-agent experience tables in TensorStore. Create with `ExperienceStore.open`."""
 
-  def __init__(self, root: ts.KvStore, tables: dict[str, _Table]):
+  def __init__(self, root: ts.KvStore, tables: dict[str, _Table], recovered: list[str] = ()):
     self._root = root
     self._tables = tables
+    self.recovered = list(recovered)  # what `open` repaired (see _validate_commit), to report
     self._lock = threading.RLock()
     self._closed = False
 
@@ -223,7 +224,9 @@ class ExperienceStore:
     if len(set(agents)) != len(agents):
       raise ValueError(f'agents={list(agents)!r} names an agent twice; list each once')
     root = _open_kvstore(location, fsync)
-    return cls(root, {agent: _open_table(root, agent) for agent in agents})
+    tables = {agent: _open_table(root, agent) for agent in agents}
+    recovered = [m for m in (_validate_commit(t) for t in tables.values()) if m]
+    return cls(root, tables, recovered)
 
   @property
   def agents(self) -> list[str]:
@@ -341,6 +344,12 @@ class ExperienceStore:
                          'another writer replaced it; reopen the store')
     if commit.rows > have:
       index = table.arrays['index'][have:commit.rows].read().result()
+      if not (index[:, _IX['sample_id_len']] > 0).all():
+        raise RuntimeError(
+            f'table {table.agent!r}: {_COMMIT_KEY} claims {commit.rows} rows but rows past '
+            f'{have + int(np.argmin(index[:, _IX["sample_id_len"]] > 0))} were never written; '
+            'another process replaced or damaged it. Fix: reopen the store '
+            '(ExperienceStore.open keeps the fully written rows and says what it dropped).')
       first = int(index[0, _IX['sample_id_start']])
       raw = table.arrays['sample_ids'][first:commit.sample_ids].read().result().tobytes()
       starts = index[:, _IX['sample_id_start']] - first
@@ -502,12 +511,57 @@ def _open_table(root: ts.KvStore, agent: str) -> _Table:
   return table  # the caller's first operation refreshes it from commit.json
 
 
+_LOST_FIX = ('Fix: restore the store folder from a backup; or start the run over in a new '
+             '--workdir (a resume needs the rows its checkpoint carries).')
+
+
 def _read_commit(table: _Table) -> _Commit:
   result = table.kv.read(_COMMIT_KEY).result()
   if result.state != 'value':
     raise RuntimeError(f'table {table.agent!r} lost its {_COMMIT_KEY}; its location was deleted '
-                       'or replaced while open')
-  return _Commit.from_json(result.value, f'table {table.agent!r}')
+                       f'or replaced while open. {_LOST_FIX}')
+  try:
+    return _Commit.from_json(result.value, f'table {table.agent!r}')
+  except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+    raise RuntimeError(f'table {table.agent!r}: {_COMMIT_KEY} is damaged ({e}). {_LOST_FIX}'
+                       ) from None
+
+
+def consistent_commit(commit: _Commit, index: np.ndarray, flags: np.ndarray) -> _Commit:
+  """The longest prefix of `commit`'s rows that was fully written.
+
+  A written row has a non-empty sample_id and the tokens/logprobs flags, and its spans
+  follow the previous row's in every flat array, within the committed ends (rows that
+  were never written read back as zeros). The flat ends become those of the last kept row.
+  """
+  bits = _BIT['tokens'] | _BIT['logprobs']
+  ok = (index[:, _IX['sample_id_len']] > 0) & ((flags.astype(np.int64) & bits) == bits)
+  ends = {}
+  for name, col in (('sample_ids', 'sample_id_start'), ('prompt_ids', 'prompt_start'),
+                    ('response_ids', 'response_start')):
+    starts, lengths = index[:, _IX[col]], index[:, _IX[col] + 1]
+    follows = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    ok &= (starts == follows) & (starts + lengths <= getattr(commit, name))
+    ends[name] = np.concatenate([[0], np.cumsum(lengths)])
+  rows = int(np.argmin(ok)) if not ok.all() else len(ok)
+  return _Commit(rows=rows, **{name: int(e[rows]) for name, e in ends.items()})
+
+
+def _validate_commit(table: _Table) -> str | None:
+  """Check `commit.json` against the rows written; trim it to the written ones if it claims
+  more (a commit published before its data, or a copy cut short). Returns what was done."""
+  commit = _read_commit(table)
+  if not commit.rows:
+    return None
+  index = table.arrays['index'][:commit.rows].read().result()
+  flags = table.arrays['status'][:commit.rows, 0].read().result()
+  good = consistent_commit(commit, index, flags)
+  if good == commit:
+    return None
+  table.kv.write(_COMMIT_KEY, good.to_json()).result()
+  return (f'table {table.agent!r}: {_COMMIT_KEY} claimed {commit.rows} rows but only the first '
+          f'{good.rows} are fully written; the commit now names those {good.rows} (the others '
+          'were never fully written and cannot be read; a rerun serves their queries again).')
 
 
 def _id_list(sample_ids: Sequence[str]) -> list[str]:

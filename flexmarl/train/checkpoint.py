@@ -2,11 +2,14 @@
 
 `WORKDIR/checkpoints/AGENT/` holds one `CheckpointManager`. Restores land on the
 agent's current shardings (its mesh may differ from the one that saved).
+`restore_latest` resumes a team from the newest step that every agent has intact,
+falling back past a checkpoint with a missing or damaged file, and saying so.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -18,6 +21,10 @@ def _target(x):
   if on_device:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   return np.empty(x.shape, x.dtype)
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint step is intact for every agent; the message says what to do."""
 
 
 class AgentCheckpointer:
@@ -49,3 +56,40 @@ class AgentCheckpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def restore_latest(checkpointers: Mapping[str, AgentCheckpointer], like_states: Mapping[str, dict]
+                   ) -> tuple[int, dict[str, dict], dict[str, dict], list[str]]:
+  """Restore the newest step that every agent has intact (metadata present, arrays readable).
+
+  Returns (step, states, metas, warnings): step 0 with empty dicts when there is no
+  checkpoint; `warnings` names each newer step skipped and why. Raises CheckpointError
+  when checkpoints exist but none is intact for every agent.
+  """
+  common = set.intersection(*(set(c.steps()) for c in checkpointers.values()))
+  partial = set.union(*(set(c.steps()) for c in checkpointers.values())) - common
+  warnings = []
+  if partial and common and max(partial) > max(common):
+    missing = {n: sorted(partial - set(c.steps())) for n, c in checkpointers.items()}
+    warnings.append(f'steps {sorted(s for s in partial if s > max(common))} are not saved for '
+                    f'every agent (missing: { {n: m for n, m in missing.items() if m} }); '
+                    f'resuming from an earlier step.')
+  for step in sorted(common, reverse=True):
+    states, metas = {}, {}
+    try:
+      for name, ckpt in checkpointers.items():
+        where = os.path.join(ckpt.directory, str(step))
+        states[name], metas[name] = ckpt.restore(step, like_states[name])
+    except Exception as e:  # noqa: BLE001 — Orbax/TensorStore raise many kinds
+      reason = str(e).split(' See full TensorStore details')[0][:300]
+      warnings.append(f'checkpoint {where} is incomplete or damaged ({type(e).__name__}: '
+                      f'{reason}); falling back to the previous complete checkpoint.')
+      continue
+    return step, states, metas, warnings
+  if not common:
+    return 0, {}, {}, warnings
+  dirs = sorted(c.directory for c in checkpointers.values())
+  raise CheckpointError(
+      f'no checkpoint step is intact for every agent (steps {sorted(common)} in {dirs}):\n  '
+      + '\n  '.join(warnings) + '\nFix: start over in a new --workdir (this one stays '
+      'readable: metrics.jsonl, store/), or restore the damaged files from a backup to resume.')

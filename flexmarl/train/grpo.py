@@ -4,10 +4,21 @@ Group-relative advantages, the clipped importance-ratio objective against the
 behaviour logprobs, an optional KL penalty to a frozen reference (k3 estimator)
 and an entropy bonus.
 
-The loss is a token *sum*; the trainer divides the accumulated gradient by the
-number of response tokens in the agent's whole global batch. Because the
-gradient is linear in that sum, micro-batches accumulated this way give exactly
-the update of the full batch, however the batch is split.
+The loss is a token *sum*; the trainer divides the accumulated gradient by
+`loss_divisor`: the number of response tokens in the agent's whole global batch
+(`loss_norm='token'`, DAPO's token-level mean), or the constant rows × max_new_tokens
+(`'constant'`, Dr. GRPO: no length bias at all). Because the gradient is linear in
+that sum, micro-batches accumulated this way give exactly the update of the full
+batch, however the batch is split.
+
+Options from the field, all per agent:
+- Dr. GRPO: `normalize_std=False` (no division by the group's reward std) with
+  `loss_norm='constant'`.
+- DAPO clip-higher: `clip_eps_low` / `clip_eps_high`, the ratio's clip range
+  [1 - low, 1 + high] (both default to `clip_eps`).
+- DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
+  equal (`zero_spread`: their advantages are 0, they teach nothing).
+- An entropy bonus annealed linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
 """
 
 from __future__ import annotations
@@ -19,14 +30,53 @@ import jax.numpy as jnp
 import numpy as np
 
 
+LOSS_NORMS = ('token', 'constant')
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
   clip_eps: float = 0.2
+  clip_eps_low: float | None = None  # ratio >= 1 - clip_eps_low (None: clip_eps) ...
+  clip_eps_high: float | None = None  # ... and <= 1 + clip_eps_high (DAPO: 0.28).
   kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds k3 KL.
   entropy_coef: float = 0.0  # bonus at version 0, annealed linearly ...
   entropy_decay_steps: int = 0  # ... to 0 over this many updates (0: constant).
   normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
+  loss_norm: str = 'token'  # 'token': / tokens of the global batch; 'constant': Dr. GRPO.
+  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal.
   temperature: float = 1.0  # the sampling temperature the logprobs refer to.
+  max_new_tokens: int = 0  # the sampling length limit ('constant' normaliser).
+
+  @property
+  def clip_range(self) -> tuple[float, float]:
+    """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+    low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+    high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+    return low, high
+
+
+def loss_divisor(cfg: GRPOConfig, tokens: int, rows: int) -> float:
+  """What the global batch's summed loss (and gradient) is divided by.
+
+  'token': its response tokens (each token weighs the same, DAPO); 'constant':
+  rows × max_new_tokens, the same for every batch of that many rows (Dr. GRPO's
+  constant normaliser: a long answer's tokens are not down-weighted).
+  """
+  if cfg.loss_norm == 'constant':
+    return float(rows * cfg.max_new_tokens)
+  return float(tokens)
+
+
+def zero_spread(rewards) -> bool:
+  """True when a group's rewards are all equal: GRPO gives it zero advantages."""
+  r = np.asarray(rewards, np.float64)
+  return bool(r.size == 0 or np.all(r == r.flat[0]))
+
+
+def zero_spread_fraction(groups_rewards) -> float:
+  """Fraction of groups (each a sequence of rewards) with zero spread; NaN for none."""
+  groups = list(groups_rewards)
+  return float(np.mean([zero_spread(g) for g in groups])) if groups else float('nan')
 
 
 def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
@@ -72,12 +122,19 @@ def grpo_token_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array,
   """
   ratio = jnp.exp(logprobs - behaviour_logprobs)
   adv = advantages[:, None]
-  clipped = jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+  low, high = cfg.clip_range
+  clipped = jnp.clip(ratio, 1.0 - low, 1.0 + high)
   loss = -jnp.minimum(ratio * adv, clipped * adv) - entropy_coef * entropy
   if ref_logprobs is not None and cfg.kl_coef:
     log_r = ref_logprobs - logprobs
     loss = loss + cfg.kl_coef * (jnp.exp(log_r) - log_r - 1.0)  # k3 estimator
   return loss
+
+
+def clipped_fraction_terms(ratio: jax.Array, cfg: GRPOConfig) -> jax.Array:
+  """1.0 where the ratio lies outside the clip range, else 0.0 (a diagnostic)."""
+  low, high = cfg.clip_range
+  return ((ratio < 1.0 - low) | (ratio > 1.0 + high)).astype(jnp.float32)
 
 
 def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -89,6 +89,11 @@ class TrainBatch:
   def tokens(self) -> int:
     return int(self.response_mask.sum())
 
+  @property
+  def rows(self) -> int:
+    """Real rows (padding rows have no response token)."""
+    return int(self.response_mask.any(axis=1).sum())
+
 
 def _round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
@@ -120,7 +125,7 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
   ratio = jnp.exp(logp - batch['behaviour_logprobs'])
   stats = {
       'entropy': grpo.masked_sum(entropy, mask),
-      'clipped': grpo.masked_sum((jnp.abs(ratio - 1.0) > cfg.clip_eps).astype(jnp.float32), mask),
+      'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(ratio, cfg), mask),
       'ratio_dev': grpo.masked_sum(jnp.abs(ratio - 1.0), mask),
   }
   return grpo.masked_sum(per_token, mask), stats
@@ -161,7 +166,7 @@ class AgentTrainer:
         ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
     self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
-    self._tokens = 0
+    self._tokens = self._rows = 0
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
     if isinstance(mesh, Mesh):
       self.bind(mesh)
@@ -246,6 +251,7 @@ class AgentTrainer:
     self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)
     self._tokens += batch.tokens
+    self._rows += batch.rows
     return stats
 
   def apply(self) -> dict[str, float]:
@@ -262,13 +268,14 @@ class AgentTrainer:
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self._bound()
+    divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
     with jax.set_mesh(self.mesh):
       params, opt_state, grad_norm = self._steps.apply(
-          self.params, self.opt_state, self.state.grads, np.float32(tokens))
+          self.params, self.opt_state, self.state.grads, np.float32(divisor))
     self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
                                      grads=None, version=self.version + 1)
     pending = self._stats
-    self._stats, self._tokens = [], 0
+    self._stats, self._tokens, self._rows = [], 0, 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))

@@ -10,6 +10,8 @@ score, so a workflow can neither invent a turn nor silently drop one.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -43,9 +45,28 @@ class Episode:
   correct: dict[str, bool] = dataclasses.field(default_factory=dict)
 
   def score(self, completion: Completion, reward: float, correct: bool | None = None) -> None:
-    self.rewards[completion.sample_id] = float(reward)
+    """Give `completion` its reward (a finite number), once."""
+    sid = getattr(completion, 'sample_id', None)
+    if not isinstance(completion, Completion):
+      raise TypeError(f'episode.score({completion!r}, ...): pass a Completion that '
+                      f'generate() returned, not a {type(completion).__name__}.')
+    if sid in self.rewards:
+      raise ValueError(f'sample {sid} is scored twice (rewards {self.rewards[sid]} and '
+                       f'{reward!r}); score each completion once.')
+    self.rewards[sid] = reward_value(reward, sid)
     if correct is not None:
-      self.correct[completion.sample_id] = bool(correct)
+      self.correct[sid] = bool(correct)
+
+
+def reward_value(reward: Any, sample_id: str) -> float:
+  """`reward` as a float; raises unless it is a finite real number (not a string, not None)."""
+  if isinstance(reward, (str, bytes)) or not isinstance(reward, numbers.Real):
+    raise TypeError(f'sample {sample_id}: reward={reward!r} ({type(reward).__name__}) is not a '
+                    'number; give a float, e.g. 1.0 for a right answer and 0.0 otherwise.')
+  if not math.isfinite(reward):
+    raise ValueError(f'sample {sample_id}: reward={reward!r} is not finite; give a finite '
+                     'float (check the reward function for 0/0 or log(0)).')
+  return float(reward)
 
 
 class AgentClient(Protocol):

@@ -45,7 +45,14 @@ class HierarchicalAssistant:
     self.specialists = dict(specialists)
     self.probs = tasks.zipf_probs(len(self.families), zipf)
     self.router_reward = router_reward
-    self.task_args = {f: dict((task_args or {}).get(f, {})) for f in self.families}
+    task_args = dict(task_args or {})
+    stray = sorted(set(task_args) - set(self.families))
+    if stray:
+      raise ValueError(f'workflow.task_args names families {stray} that no specialist owns '
+                       f'(workflow.specialists: {self.families}); remove them or add '
+                       'specialists for them.')
+    self.task_args = {f: tasks.check_task_args(f, task_args.get(f, {}), f'workflow.task_args.{f}')
+                      for f in self.families}
 
   def agent_names(self) -> Sequence[str]:
     return [self.router, *self.specialists.values()]

@@ -17,7 +17,7 @@ class SingleTask:
     if family not in tasks.FAMILIES:
       raise ValueError(f'workflow.family={family!r} is unknown; known: {sorted(tasks.FAMILIES)}.')
     self.agent, self.family = agent, family
-    self.task_args = dict(task_args or {})
+    self.task_args = tasks.check_task_args(family, task_args or {}, 'workflow.task_args')
 
   def agent_names(self) -> Sequence[str]:
     return [self.agent]

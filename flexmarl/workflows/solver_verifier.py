@@ -23,7 +23,7 @@ class SolverVerifier:
     if family not in tasks.FAMILIES:
       raise ValueError(f'workflow.family={family!r} is unknown; known: {sorted(tasks.FAMILIES)}.')
     self.solver, self.verifier, self.family = solver, verifier, family
-    self.task_args = dict(task_args or {})
+    self.task_args = tasks.check_task_args(family, task_args or {}, 'workflow.task_args')
 
   def agent_names(self) -> Sequence[str]:
     return [self.solver, self.verifier]

@@ -10,8 +10,10 @@ check the best constant's exact-match rate stays at or below 0.3).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +48,18 @@ def successor(rng: np.random.Generator, alphabet: int = 8) -> Task:
 
 FAMILIES: dict[str, Callable[..., Task]] = {
     'add': add, 'reverse': reverse, 'sort': sort, 'successor': successor}
+
+
+def check_task_args(family: str, args: Mapping[str, Any], field: str) -> dict[str, Any]:
+  """`args` are keyword arguments of `family`'s generator; raises naming the unknown ones."""
+  if family not in FAMILIES:
+    raise ValueError(f'{field}: unknown task family {family!r}; known: {sorted(FAMILIES)}.')
+  params = list(inspect.signature(FAMILIES[family]).parameters)[1:]  # after rng
+  unknown = sorted(set(args) - set(params))
+  if unknown:
+    raise ValueError(f'{field}={dict(args)!r}: {unknown} are not arguments of task family '
+                     f'{family!r}; its arguments: {params}.')
+  return dict(args)
 
 
 def partial_credit(pred: str, answer: str) -> float:

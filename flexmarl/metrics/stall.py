@@ -1,0 +1,39 @@
+"""StallWatch: say so when an agent has stopped learning.
+
+A GRPO group whose rewards are all equal has zero advantages and teaches nothing
+(`flexmarl.train.grpo.zero_spread_fraction` gives the fraction per step). An agent
+whose groups stay that way for many updates has collapsed onto one answer (or is
+always right, or always wrong) and nothing else in the output would say so.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class StallWatch:
+  """Per agent, counts consecutive updates whose zero-spread fraction exceeds `threshold`;
+  warns once when the count reaches `patience`, and again after it recovers and stalls anew."""
+
+  def __init__(self, threshold: float = 0.9, patience: int = 20):
+    if not 0 <= threshold <= 1 or patience < 1:
+      raise ValueError(f'StallWatch(threshold={threshold}, patience={patience}): give a '
+                       'threshold in [0, 1] and a patience >= 1 updates.')
+    self.threshold, self.patience = threshold, patience
+    self._run: dict[str, int] = {}
+
+  def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan
+             ) -> str | None:
+    """Record one update's fraction; returns a warning line when the agent has stalled."""
+    if math.isnan(zero_spread) or zero_spread <= self.threshold:
+      self._run[agent] = 0
+      return None
+    self._run[agent] = self._run.get(agent, 0) + 1
+    if self._run[agent] != self.patience:
+      return None
+    ent = '' if math.isnan(entropy) else f', policy entropy {entropy:.3f}'
+    return (f'step {step}: agent {agent!r} has stalled: in each of its last {self.patience} '
+            f'updates more than {self.threshold:.0%} of its GRPO groups had equal rewards '
+            f'(now {zero_spread:.0%}{ent}), so they teach nothing. Raise its sampling '
+            'temperature or entropy_coef, give partial-credit rewards, or check the reward '
+            'function.')

@@ -1,0 +1,77 @@
+"""The library entry point: `build` a checked team over a workdir, `train` it.
+
+Scripts, notebooks and benchmarks import this module; it defines no command-line
+flags (`flexmarl.main` does), so a script with its own absl flags can use it.
+"""
+
+from __future__ import annotations
+
+import logging as std_logging
+import os
+
+from absl import flags, logging
+
+
+def quiet_logging() -> None:
+  """Keep the INFO lines of absl and Orbax out of a run's progress lines.
+
+  Only those two loggers change level (to WARNING), and only while they are at
+  their default; a `--verbosity` given on the command line is kept.
+  """
+  given = flags.FLAGS.is_parsed() and flags.FLAGS['verbosity'].present
+  if not given and logging.get_verbosity() > logging.WARNING:  # INFO after app.run
+    logging.set_verbosity(logging.WARNING)
+  orbax = std_logging.getLogger('orbax')
+  if orbax.level == std_logging.NOTSET:
+    orbax.setLevel(std_logging.WARNING)
+
+
+def build(config, workdir: str, workflow=None, log=print, experiment: str | None = None):
+  """Check the config, the workflow and the workdir, then build the team's
+  JointOrchestrator over `workdir`.
+
+  `workflow`: a Workflow object (see flexmarl.workflows.base); by default the one
+  that `config.workflow` names (a built-in, or `package.module:Class`). `experiment`:
+  the experiment file, recorded in the workdir. Nothing is written before every check
+  has passed; a workdir that holds another run is refused (flexmarl.workdir).
+  """
+  import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
+
+  from flexmarl import workdir as workdirs
+  from flexmarl.config import build_team_spec, check_prompt_lengths
+  from flexmarl.orchestrator import JointOrchestrator
+  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.workflows import build_workflow
+  from flexmarl.workflows.checks import check_workflow, check_workflow_api
+
+  quiet_logging()
+  tokenizer = load_tokenizer(config.tokenizer)
+  workflow = workflow or build_workflow(config.workflow)
+  check_workflow_api(workflow)
+  spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
+                         workflow.agent_names())
+  requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
+                            spec.seed)
+  check_prompt_lengths(requests, tokenizer, spec.max_prompt_len)
+  for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
+    log(f'warning: {warning}')
+  workdirs.accept_workdir(workdir, config, workflow, experiment)
+  tokenizer.save(os.path.join(workdir, 'tokenizer'))
+  return JointOrchestrator(spec, workflow, tokenizer, workdir)
+
+
+def train(config, workdir: str, workflow=None, log=print, experiment: str | None = None) -> dict:
+  """Build the team (see `build`) and run it to `config.steps`; returns the summary."""
+  summary = build(config, workdir, workflow, log, experiment).run(log)
+  log(format_summary(summary))
+  return summary
+
+
+def format_summary(summary: dict) -> str:
+  rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22} {'updates':>8}"]
+  for name, s in summary['agents'].items():
+    rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
+                f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8}")
+  rows.append(f"{summary['steps']} steps in {summary['wall_s']:.0f}s, "
+              f"{summary['tokens_per_s']:.0f} generated tokens/s")
+  return '\n'.join(rows)
