@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,6 +30,8 @@ from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import Journal, group_ref, groups_from_store
 from flexmarl.metrics import spans, utilization
+from flexmarl.interrupt import StopRequest
+from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.balancer import Balancer, Limits
@@ -37,6 +40,7 @@ from flexmarl.schedules import make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, build_team
 from flexmarl.tokenizer import TextTokenizer
+from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
 
@@ -80,15 +84,19 @@ class JointOrchestrator:
 
   # -- versions and persistence -------------------------------------------------------
 
-  def restore(self) -> int:
-    """Resume from the newest step every agent has a checkpoint for; 0 if none."""
-    common = set.intersection(*(set(a.checkpointer.steps()) for a in self.agents.values()))
-    if not common:
+  def restore(self, log=print) -> int:
+    """Resume from the newest step every agent has an intact checkpoint for (a damaged
+    newer one is skipped, and said so); 0 if none."""
+    step, states, metas, warnings = restore_latest(
+        {n: a.checkpointer for n, a in self.agents.items()},
+        {n: a.trainer.train_state() for n, a in self.agents.items()})
+    for warning in warnings:
+      log(f'warning: {warning}')
+    if not step:
       return 0
-    step = max(common)
     for name, agent in self.agents.items():
-      state, meta = agent.checkpointer.restore(step, agent.trainer.train_state())
-      agent.trainer.load_train_state(state, meta['version'])
+      meta = metas[name]
+      agent.trainer.load_train_state(states[name], meta['version'])
       agent.publish()
       self.next_query = meta['next_query']
       for g in groups_from_store(self.journal.store, name, meta['buffer']):
@@ -209,24 +217,40 @@ class JointOrchestrator:
   # -- the run ------------------------------------------------------------------------
 
   def run(self, log=print) -> dict:
-    """Train until `spec.steps`, resuming from the workdir's checkpoints."""
+    """Train until `spec.steps`, resuming from the workdir's checkpoints. The first
+    Ctrl-C stops at the end of the current step, saved; a rerun resumes."""
     log(self.spec.placement.describe())
-    start_step = self.restore()
+    for line in self.journal.store.recovered:
+      log(f'warning: {line}')
+    start_step = self.restore(log)
     if start_step:
       log(f'resumed from step {start_step} in {self.workdir}')
     writer = MetricsWriter(self.workdir, start_step)
+    for problem in writer.problems:
+      log(f'warning: {problem}')
     trace = os.path.join(self.workdir, spans.TRACE_FILE)
     self.recorder.write_to(spans.TraceWriter(trace, start_step))
+    stalls = StallWatch()
     t0 = self.clock.now()
     try:
-      while self.step < self.spec.steps:
-        lines = self.run_step()
-        for agent, values in lines.items():
-          writer.write(self.step, agent, values)
-        if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
-          log(format_step(self.step, self.spec.steps, lines))
-        if self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps:
-          self.save()
+      with StopRequest() as stop:
+        while self.step < self.spec.steps and not stop.requested:
+          lines = self.run_step()
+          for agent, values in lines.items():
+            writer.write(self.step, agent, values)
+            if agent != TEAM and values.get('updated'):
+              warning = stalls.update(agent, self.step, values['zero_spread'],
+                                      values.get('entropy', math.nan))
+              if warning:
+                log(f'warning: {warning}')
+          if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
+            log(format_step(self.step, self.spec.steps, lines))
+          if (self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
+              or stop.requested):
+            self.save()
+        if stop.requested:
+          log(f'stopped at step {self.step} of {self.spec.steps} in {self.workdir} (saved); '
+              'rerun the same command to resume.')
     finally:
       writer.close()
       self.close()

@@ -58,7 +58,8 @@ class Sync:
   pipelined = False
 
   def new_buffer(self, spec: AgentSpec) -> BatchBuilder:
-    return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size)
+    return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
+                        spec.grpo.dynamic_sampling)
 
   def on_groups(self, orch: JointOrchestrator, name: str, early: dict[str, int],
                 stepped: dict[str, Callable]) -> None:
@@ -87,7 +88,7 @@ class Sync:
     for name, builder in orch.buffers.items():
       line = dict(batch_stats(builder.kept), policy_version=versions[name],
                   tokens=served[name], rows=builder.kept_rows, updated=int(name in stats),
-                  early_micro_batches=early[name])
+                  early_micro_batches=early[name], filtered_rows=builder.filtered_rows)
       if name in stats:
         line.update(surplus_rows=builder.surplus_rows, **stats[name])
         orch.buffers[name] = self.new_buffer(orch.spec.agents[name])
@@ -134,7 +135,7 @@ class Async:
 
   def new_buffer(self, spec: AgentSpec) -> StaleBuffer:
     return StaleBuffer(spec.global_batch, spec.micro_batch // spec.group_size,
-                       self.max_staleness)
+                       self.max_staleness, spec.grpo.dynamic_sampling)
 
   def run_step(self, orch: JointOrchestrator) -> Lines:
     t0 = orch.clock.now()

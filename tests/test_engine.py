@@ -11,6 +11,7 @@ from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
+from flexmarl.workflows.checks import WorkflowError
 
 TOK = build_char_tokenizer()
 
@@ -105,7 +106,7 @@ def test_unknown_agent_is_an_error():
     async def run(self, query, agents):
       return await agents['nobody'].generate('x')
   engine, _ = _engine()
-  with pytest.raises(KeyError, match='nobody'):
+  with pytest.raises(WorkflowError, match="q0: .*KeyError: 'nobody'"):
     engine.run(Bad(), _queries(1))
 
 

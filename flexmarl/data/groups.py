@@ -62,19 +62,25 @@ class BatchBuilder:
 
   Groups arrive in (query, turn) order. Until the batch is full (the rows offered
   reach `global_batch`), a group is kept while it fits in `global_batch` rows, else
-  counted as surplus; once it is full, every group is surplus. Kept groups are cut into
+  counted as surplus; once it is full, every group is surplus. With DAPO's dynamic
+  sampling, groups whose rewards are all equal are dropped (`filtered_rows`) and do
+  not count towards a full batch, so later queries replace them. Kept groups are cut into
   micro-batches of `micro_groups` groups, in order: the cut never depends on when
   groups arrived.
   """
 
-  def __init__(self, global_batch: int, micro_groups: int):
+  def __init__(self, global_batch: int, micro_groups: int, dynamic_sampling: bool = False):
     self.global_batch, self.micro_groups = global_batch, micro_groups
+    self.dynamic_sampling = dynamic_sampling
     self.kept: list[Group] = []
-    self.kept_rows = self.surplus_rows = 0
+    self.kept_rows = self.surplus_rows = self.filtered_rows = 0
     self.cut = 0  # kept groups already handed out in micro-batches
 
   def add(self, group: Group) -> None:
     check_fits(group, self.global_batch)
+    if self.dynamic_sampling and not self.full and grpo.zero_spread(group.rewards):
+      self.filtered_rows += group.size  # teaches nothing: a later query takes its place
+      return
     if not self.full and self.kept_rows + group.size <= self.global_batch:
       self.kept.append(group)
       self.kept_rows += group.size
@@ -102,13 +108,18 @@ class StaleBuffer:
   once it is older it is dropped (and counted), never trained on.
   """
 
-  def __init__(self, global_batch: int, micro_groups: int, max_staleness: int):
+  def __init__(self, global_batch: int, micro_groups: int, max_staleness: int,
+               dynamic_sampling: bool = False):
     self.global_batch, self.micro_groups = global_batch, micro_groups
-    self.max_staleness = max_staleness
+    self.max_staleness, self.dynamic_sampling = max_staleness, dynamic_sampling
     self.kept: list[Group] = []
+    self.filtered_rows = 0
 
   def add(self, group: Group) -> None:
     check_fits(group, self.global_batch)
+    if self.dynamic_sampling and grpo.zero_spread(group.rewards):
+      self.filtered_rows += group.size
+      return
     self.kept.append(group)
 
   def _fresh(self, group: Group, version: int) -> bool:
@@ -134,11 +145,14 @@ class StaleBuffer:
 
 
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
-  """Reward mean/std and exact-match accuracy over the rows of `groups`."""
+  """Reward mean/std and exact-match accuracy over the rows of `groups`, and the fraction
+  of groups whose rewards are all equal (they teach GRPO nothing)."""
   if not groups:
-    return dict(reward_mean=math.nan, reward_std=math.nan, accuracy=math.nan)
+    return dict(reward_mean=math.nan, reward_std=math.nan, accuracy=math.nan,
+                zero_spread=math.nan)
   rewards = np.concatenate([g.rewards for g in groups])
   correct = np.concatenate([g.correct for g in groups])
   known = correct[~np.isnan(correct)]
   return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-              accuracy=float(known.mean()) if known.size else math.nan)
+              accuracy=float(known.mean()) if known.size else math.nan,
+              zero_spread=grpo.zero_spread_fraction(g.rewards for g in groups))

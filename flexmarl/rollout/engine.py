@@ -33,6 +33,7 @@ from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
+from flexmarl.workflows.checks import check_episode, run_error, timeout_error
 
 ADMISSIONS = ('stream', 'waves')
 
@@ -156,8 +157,13 @@ class RolloutEngine:
     finished: dict[int, EpisodeResult] = {}
     expected, consumed, exhausted = None, 0, False
 
+    names = list(workflow.agent_names())
+
     async def episode(ctx: _QueryContext) -> Episode:
-      return await workflow.run(ctx.query, {name: _Client(name, ctx) for name in self.pools})
+      try:
+        return await workflow.run(ctx.query, {name: _Client(name, ctx) for name in names})
+      except Exception as e:  # noqa: BLE001 — any error of user code, named by its query
+        raise run_error(ctx.query.query_id, e) from e
 
     try:
       while True:
@@ -288,25 +294,11 @@ class RolloutEngine:
     now = self.clock.now()
     for ctx, _ in active:
       if now - ctx.started > self.query_timeout_s:
-        raise TimeoutError(
-            f'query {ctx.query.query_id} has run {now - ctx.started:.1f}s, longer than '
-            f'config.rollout.query_timeout_s={self.query_timeout_s}: its workflow may await '
-            'something that never completes; fix the workflow or raise the limit.')
+        raise timeout_error(ctx.query.query_id, self.query_timeout_s,
+                            '(config.rollout.query_timeout_s)')
 
   @staticmethod
   def _check(ctx: _QueryContext, episode: Episode, now: float) -> EpisodeResult:
-    if not isinstance(episode, Episode):
-      raise TypeError(f'workflow.run returned {type(episode).__name__} for query '
-                      f'{ctx.query.query_id}; it must return an Episode.')
-    served = {s for t in ctx.turns for s in t.sample_ids}
-    invented = set(episode.rewards) - served
-    if invented:
-      raise ValueError(f'query {ctx.query.query_id}: the workflow scored samples that were '
-                       f'never served: {sorted(invented)[:5]}.')
-    unscored = served - set(episode.rewards)
-    if unscored:
-      raise ValueError(f'query {ctx.query.query_id}: served samples without a reward: '
-                       f'{sorted(unscored)[:5]}; score every completion the workflow '
-                       'received (episode.score(completion, reward)).')
+    check_episode(ctx.query.query_id, [s for t in ctx.turns for s in t.sample_ids], episode)
     ctx.turns.sort(key=lambda t: t.turn)
     return EpisodeResult(ctx.query, ctx.index, ctx.turns, episode, ctx.started, now)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.config import ConfigError
+from flexmarl.errors import ConfigError
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow, reward_value
 
 
