@@ -7,12 +7,12 @@ with `rollout.devices=shared`), weights copied there in the trainer's layout.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from flexmarl.clock import Clock, RealClock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import Group
 from flexmarl.models import sharding
@@ -27,9 +27,12 @@ from flexmarl.train.trainer import AgentTrainer, TrainBatch
 class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
-               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int):
+               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int,
+               clock: Clock | None = None):
+    """`clock` times the steps (`train_s`); a simulated team passes its SimClock."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
     self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.clock = clock or RealClock()
 
   @property
   def name(self) -> str:
@@ -62,14 +65,14 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens."""
-    t0 = time.perf_counter()
+    t0 = self.clock.now()
     lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
     result = self.trainer.dispatch_apply()
 
     def finish() -> dict[str, float]:
-      return dict(result(), train_s=time.perf_counter() - t0, rows=len(lags),
+      return dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
     return finish
 
