@@ -6,8 +6,8 @@ against a SimClock, simulated rollout instances (`sim/instances.py`) and trainer
 (`sim/trainer.py`) whose durations come from cost models (`sim/costs.py`). It prints,
 per schedule, the mean step time, the utilization of the rollout and training pools
 (busy / wall over the run, in device-group seconds) and the critical-path bound: the
-busy time along the chain of the step's spans that ends last, i.e. the step time had
-nothing on that chain waited. All in simulated seconds.
+busy time along the chain of the spans inside the step that ends last, i.e. the step
+time had nothing on that chain waited. All in simulated seconds.
 
 Schedules: `sync` (MAS-RL style), `sync_parallel` (MARTI style), `flexmarl`, and the
 paper's ablations `flexmarl_no_pipeline` (train after the rollout, all agents at once,
@@ -28,8 +28,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from flexmarl.clock import SimClock
-from flexmarl.metrics.spans import SpanRecorder
-from flexmarl.metrics.utilization import Usage, group_usage, step_report, track_usage
+from flexmarl.metrics.spans import Span, SpanRecorder
+from flexmarl.metrics.utilization import Usage, critical_path, group_usage, track_usage
 from flexmarl.metrics.writer import TEAM
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.sim.team import build_sim_team, sim_team_spec, sim_workflow
@@ -75,6 +75,13 @@ class SimResult:
     return float(np.mean(self.bounds))
 
 
+def critical_busy(spans: list[Span], window: tuple[float, float]) -> float:
+  """Busy seconds on the critical path of the spans inside `window` (a step): the step
+  time had nothing on that chain waited."""
+  inside = [s for s in spans if s.start >= window[0] - 1e-9 and s.end <= window[1] + 1e-9]
+  return sum(s.duration for s in critical_path(inside))
+
+
 def check_variant(variant: str) -> tuple[str, bool]:
   if variant not in VARIANTS:
     raise ValueError(f'--schedules: unknown schedule {variant!r}; choose from {list(VARIANTS)}.')
@@ -98,11 +105,13 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
     agents = build_sim_team(spec, setup, clock, tokenizer, tags)
     orch = JointOrchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
                              agents=agents)
-    team = []
+    team, windows = [], []
     try:
       for step in range(setup.steps):
         tags.step = step
+        t0 = clock.now()
         team.append(orch.run_step()[TEAM])
+        windows.append((t0, clock.now()))
     finally:
       orch.close()
       recorder.close()
@@ -112,9 +121,8 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
   groups = group_usage(track_usage(spans, (0.0, clock.now()), tracks))
   util = {g: u.utilization for g, u in groups.items()}
   util['all'] = sum(groups.values(), start=Usage(0.0, 0.0, 0.0)).utilization
-  report = step_report(spans)
   return SimResult(variant, [l['step_time_s'] for l in team], [l['rollout_s'] for l in team],
-                   [report[s]['critical_busy_s'] for s in sorted(report)], util,
+                   [critical_busy(spans, w) for w in windows], util,
                    float(np.mean([l['queries'] for l in team])),
                    int(sum(l['rebalances'] for l in team)), time.perf_counter() - t_real)
 
