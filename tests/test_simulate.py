@@ -4,7 +4,7 @@ out on paper gives the step time computed by hand, for every schedule."""
 import ml_collections
 import pytest
 
-from flexmarl.simulate import simulate
+from flexmarl.sim.run import simulate
 
 # Router `a` then specialist `b`, one query at a time, one instance each; 2 queries fill
 # both batches (group 2, global batch 4, micro-batch 2 = one group).
