@@ -10,7 +10,8 @@ devices of the training pool (`cluster.train_nodes`); the rollout pool
 `rollout_tp` (it is the instance shape the spec's `mesh_shape` carries here; a
 simulated trainer's speed comes from `train_devices`).
 
-Costs come from the agent's `model` (flexmarl.sim.specs) on `cluster.accelerator`, or,
+Costs come from the agent's `model` (flexmarl.sim.specs) on `cluster.accelerator` (at
+`train_mfu`, default costs.TRAIN_MFU), or,
 to calibrate against a measured machine, from explicit `rates`: {decode_step_s,
 decode_token_s, prefill_token_s, train_token_s, optimizer_s, sync_s}.
 """
@@ -44,7 +45,8 @@ class AgentCosts:
   sync_s: float  # a weight update of one instance
 
 
-def agent_costs(a: ml_collections.ConfigDict, accel: specs.Accelerator) -> AgentCosts:
+def agent_costs(a: ml_collections.ConfigDict, accel: specs.Accelerator,
+                train_mfu: float = costs.TRAIN_MFU) -> AgentCosts:
   """An agent's rates: explicit `rates`, else from its model on `accel`."""
   rates = a.get('rates')
   if rates:
@@ -57,7 +59,7 @@ def agent_costs(a: ml_collections.ConfigDict, accel: specs.Accelerator) -> Agent
                       rates.train_token_s, rates.optimizer_s, rates.sync_s)
   m = specs.model(a.model)
   return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp),
-                    costs.train_time(m, 1, a.train_devices, accel),
+                    costs.train_time(m, 1, a.train_devices, accel, train_mfu),
                     costs.optimizer_time(m, a.train_devices, accel),
                     costs.weight_sync_time(m, a.rollout_tp, accel))
 
@@ -152,7 +154,7 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
   agents = {}
   for name, a in spec.agents.items():
     s = setup.agents[name]
-    c = agent_costs(s, accel)
+    c = agent_costs(s, accel, setup.get('train_mfu', costs.TRAIN_MFU))
 
     def new(devices, version, name=name, s=s, c=c) -> SimSampler:
       return SimSampler(clock, c.decode, s.response_tokens.to_dict(), c.sync_s, agent=name,
