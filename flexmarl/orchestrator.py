@@ -198,7 +198,8 @@ class JointOrchestrator:
   def _utilization(self) -> dict[str, float]:
     """This step's busy fraction and bubbles per device group, from its spans."""
     for agent in self.agents.values():
-      agent.timeline.drain()  # the step's work is done; its spans are being recorded
+      if agent.timeline is not None:
+        agent.timeline.drain()  # the step's work is done; its spans are being recorded
     step = self.step + 1
     report = utilization.step_report(self.recorder.spans()).get(step)
     self.recorder.discard(step - 1)  # the previous step's spans may overlap this one

@@ -30,7 +30,6 @@ fixed by the step count alone, so runs stay reproducible and resumable.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,11 +96,17 @@ class Sync:
 
 
 class SyncParallel(Sync):
-  """Roll out, then train the full agents at the same time."""
+  """Roll out, then train the full agents at the same time: every agent's update is
+  dispatched (each on its own training devices) before any is awaited."""
 
   def train(self, orch, full, stepped):
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(full))) as pool:
-      return dict(zip(full, pool.map(orch.train_agent, full)))
+    finishes = {name: orch.start_step(name, orch.buffers[name].kept,
+                                      orch.buffers[name].micro_batches(final=True))
+                for name in full}
+    stats = {name: finish() for name, finish in finishes.items()}
+    for name in full:
+      orch.agents[name].publish()
+    return stats
 
 
 class FlexPipeline(Sync):

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flexmarl.clock import Clock, RealClock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import Group
 from flexmarl.metrics import spans
@@ -61,11 +62,14 @@ class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
                checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int,
-               recorder: spans.SpanRecorder):
+               clock: Clock | None = None, recorder: spans.SpanRecorder | None = None,
+               timeline: Timeline | None = None):
+    """`clock` times the steps (`train_s`); `recorder` gets weight-sync spans and
+    `timeline` the spans of the training devices (a simulated team records its own)."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
     self.prompt_len, self.pad_id = prompt_len, pad_id
-    self.recorder = recorder
-    self.timeline = Timeline(recorder, f'train:{spec.name}')
+    self.clock = clock or RealClock()
+    self.recorder, self.timeline = recorder, timeline
 
   @property
   def name(self) -> str:
@@ -77,9 +81,11 @@ class Agent:
 
   def publish(self) -> None:
     """Send the trainer's current weights to every rollout instance of the agent."""
-    start = self.recorder.clock.now()
+    start = self.clock.now()
     self.pool.publish(self.trainer.params, self.trainer.version)
-    end = self.recorder.clock.now()
+    end = self.clock.now()
+    if self.recorder is None:
+      return
     nbytes = sum(x.nbytes for x in jax.tree.leaves(self.trainer.params))
     for inst in self.pool.instances:
       self.recorder.add(f'rollout:{inst.name}', spans.WEIGHT_SYNC, start, end, agent=self.name,
@@ -96,8 +102,9 @@ class Agent:
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple)
     stats = self.trainer.accumulate(batch)
-    self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=self.version,
-                      tokens=batch.tokens)
+    if self.timeline is not None:
+      self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=self.version,
+                        tokens=batch.tokens)
 
   def start_step(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
                  ) -> Callable[[], dict[str, float]]:
@@ -106,24 +113,25 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens."""
-    clock = self.recorder.clock
-    t0 = clock.now()
+    t0 = self.clock.now()
     lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
     version = self.version
     result = self.trainer.dispatch_apply()
-    self.timeline.add(spans.OPTIMIZER_STEP, self.trainer.params, agent=self.name,
-                      version=version)
+    if self.timeline is not None:
+      self.timeline.add(spans.OPTIMIZER_STEP, self.trainer.params, agent=self.name,
+                        version=version)
 
     def finish() -> dict[str, float]:
-      return dict(result(), train_s=clock.now() - t0, rows=len(lags),
+      return dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
     return finish
 
   def close(self) -> None:
     self.checkpointer.wait()
-    self.timeline.close()
+    if self.timeline is not None:
+      self.timeline.close()
     for inst in self.pool.instances:
       inst.sampler.close()
 
@@ -164,5 +172,6 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
     pool.params = trainer.params
     agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
                          prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id,
-                         recorder=recorder)
+                         clock=recorder.clock, recorder=recorder,
+                         timeline=Timeline(recorder, f'train:{name}'))
   return agents

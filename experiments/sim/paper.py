@@ -13,8 +13,8 @@ Assumed here, since the paper does not give them (change them with --config.* fl
 
 Config fields the simulator reads: cluster, agents.<name>.{model, rollout_tp,
 train_devices, min_instances, group_size, prompt_tokens, response_tokens}, workflow,
-global_batch, micro_batch, query_parallelism, branch_parallelism, balance_threshold,
-schedules, steps, seed; `paper` holds the published figures to compare against.
+global_batch, micro_batch, query_parallelism, query_concurrency, branch_parallelism,
+balance_threshold, train_mfu, schedules, steps, seed; `paper` holds the published figures to compare against.
 """
 
 import ml_collections
@@ -55,8 +55,12 @@ def paper_config(team: dict, paper_step_time_s: dict[str, float] | None = None
   config.global_batch = 64
   config.micro_batch = 16
   config.query_parallelism = 4
+  # Queries in flight in the rollout engine; 0 takes query_parallelism (the paper's figure).
+  config.query_concurrency = 0
   config.branch_parallelism = 16
   config.balance_threshold = 5
+  # Training efficiency (model FLOPs utilization) of the cost model; see flexmarl/sim/costs.py.
+  config.train_mfu = 0.35
   config.workflow = team['workflow']
   config.agents = team['agents']
   config.paper = dict(step_time_s=dict(paper_step_time_s or {}))

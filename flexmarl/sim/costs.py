@@ -115,6 +115,13 @@ def train_time(m: ModelSpec, tokens: int, devices: int, accel: Accelerator,
   return train_flops(m, tokens) / (devices * accel.peak_flops * mfu)
 
 
+def optimizer_time(m: ModelSpec, devices: int, accel: Accelerator) -> float:
+  """Seconds of one Adam step sharded over `devices`: memory bound, it reads and writes the
+  whole train state once (gradients included), at the decode HBM efficiency."""
+  nbytes = 2 * (train_state_bytes(m) + param_bytes(m))
+  return nbytes / (devices * accel.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY)
+
+
 def transfer_time(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
   if bytes_per_s <= 0:
     raise ValueError(f'bytes_per_s={bytes_per_s}: a link needs a positive bandwidth.')
