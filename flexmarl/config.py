@@ -8,11 +8,14 @@ raises `ConfigError` naming the field, the bad value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
 
+from flexmarl.models import hf
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train.grpo import GRPOConfig
@@ -41,6 +44,7 @@ class AgentSpec:
   global_batch: int  # rows (samples) per optimizer step
   micro_batch: int  # rows per gradient accumulation
   mesh_shape: tuple[int, int]  # (data, model)
+  checkpoint: str = ''  # HF folder the policy starts from ('' : random initialisation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +65,10 @@ class TeamSpec:
 def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:
   """Default per-agent config; experiment files start from it and override fields."""
   cfg = ml_collections.ConfigDict(dict(
+      # checkpoint: an HF Llama/Qwen2 folder; when set, the architecture comes from its
+      # config.json (only dtype applies from here) and the weights from its safetensors.
       model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
-                 dtype='float32'),
+                 dtype='float32', checkpoint=''),
       group_size=8,
       global_batch=64,
       micro_batch=16,
@@ -82,9 +88,22 @@ def _fail(field: str, value: Any, fix: str) -> None:
   raise ConfigError(f'config.{field}={value!r}: {fix}')
 
 
+def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
+  """The ModelConfig of an HF checkpoint folder, checked before anything loads."""
+  if not os.path.isfile(os.path.join(folder, 'config.json')) or not glob.glob(
+      os.path.join(folder, '*.safetensors')):
+    _fail(field, folder, 'give a Hugging Face model folder holding config.json and '
+          '*.safetensors (e.g. one written by `python -m flexmarl.export`).')
+  try:
+    return hf.model_config_from_hf(folder, dtype=dtype)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f'config.{field}={folder!r}: {e}') from None
+
+
 def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> AgentSpec:
   f = f'agents.{name}'
   model = dict(a.model)
+  checkpoint = model.pop('checkpoint', '')
   preset = model.pop('preset')
   if preset not in PRESETS:
     _fail(f'{f}.model.preset', preset, f'choose one of {sorted(PRESETS)}.')
@@ -95,10 +114,18 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
     _fail(f'{f}.model.vocab_size', model_vocab,
           f'the tokenizer has {vocab_size} tokens; use 0 (take the tokenizer size) or more.')
   sizes['vocab_size'] = model_vocab
-  try:
-    model_cfg = ModelConfig(**sizes)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f'config.{f}.model: {e}') from None
+  if checkpoint:
+    model_cfg = _checkpoint_model(f'{f}.model.checkpoint', checkpoint,
+                                  model.get('dtype', 'float32'))
+    if model_cfg.vocab_size < vocab_size:
+      _fail(f'{f}.model.checkpoint', checkpoint,
+            f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
+            f'{vocab_size}; use the checkpoint\'s own tokenizer (config.tokenizer).')
+  else:
+    try:
+      model_cfg = ModelConfig(**sizes)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f'config.{f}.model: {e}') from None
   for key in ('group_size', 'global_batch', 'micro_batch'):
     if a[key] < 1:
       _fail(f'{f}.{key}', a[key], 'must be a positive number of samples.')
@@ -131,7 +158,7 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       optimizer=OptimizerConfig(**a.optimizer.to_dict()),
       grpo=GRPOConfig(temperature=s.temperature, **a.grpo.to_dict()),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
-      mesh_shape=mesh)
+      mesh_shape=mesh, checkpoint=checkpoint)
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
