@@ -161,6 +161,13 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       mesh_shape=mesh, checkpoint=checkpoint)
 
 
+def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:
+  """One agent's checked spec from a whole experiment config (e.g. a run's saved one)."""
+  if name not in config.agents:
+    _fail('agents', sorted(config.agents), f'has no agent {name!r}; name one of these.')
+  return _agent_spec(name, config.agents[name], vocab_size)
+
+
 def parse_schedule(value: str) -> tuple[str, int]:
   """`config.schedule` → (schedule, max staleness): 'flexmarl' → ('flexmarl', 0),
   'async:2' → ('async', 2)."""

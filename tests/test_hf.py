@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,8 +17,11 @@ transformers = pytest.importorskip('transformers', reason='HF parity tests need 
 pytest.importorskip('safetensors', reason='HF parity tests need safetensors')
 
 from flexmarl import config as config_lib  # noqa: E402
+from flexmarl.export import export  # noqa: E402
 from flexmarl.models import hf, sharding  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
+from flexmarl.train.checkpoint import AgentCheckpointer  # noqa: E402
+from flexmarl.train.trainer import AgentTrainer  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 from flexmarl.workflows import tasks  # noqa: E402
 
@@ -202,3 +206,38 @@ def test_trained_model_keeps_its_accuracy_through_hf(tmp_path):
   assert _greedy_answers(spec.model, loaded, loaded_tok, prompts) == before
   fresh = hf.initial_params(dataclasses.replace(cfg), '', _shardings(cfg, (1, 1)), seed=7)
   assert not np.array_equal(fresh['embed'], loaded['embed'])
+
+
+def test_export_cli_writes_the_latest_checkpoint(tmp_path):
+  """A run's workdir (config.json, tokenizer/, an Orbax checkpoint) → HF folder."""
+  tok = build_char_tokenizer()
+  config = ml_collections.ConfigDict(dict(agents=dict(
+      solver=config_lib.agent_config('tiny'))))
+  config.agents.solver.model.tie_embeddings = False
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  tok.save(str(tmp_path / 'tokenizer'))
+  spec = config_lib.agent_spec(config, 'solver', tok.vocab_size)
+  mesh = sharding.make_mesh(jax.devices()[:2], (1, 2))
+  trainer = AgentTrainer('solver', spec.model, spec.optimizer, spec.grpo, mesh, seed=3)
+  ckpt = AgentCheckpointer(str(tmp_path), 'solver')
+  ckpt.save(5, trainer.train_state(), {'step': 5})
+  ckpt.wait()
+  ckpt.close()
+  out = export(str(tmp_path), 'solver', str(tmp_path / 'hf'))
+  assert hf.model_config_from_hf(out) == spec.model
+  loaded = hf.load_params(out, spec.model, _shardings(spec.model, (1, 1)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), loaded)
+  assert load_tokenizer(out).encode('1+2') == tok.encode('1+2')
+  with pytest.raises(config_lib.ConfigError, match="no agent 'critic'"):
+    export(str(tmp_path), 'critic', str(tmp_path / 'hf2'))
+
+
+def test_example_checkpoint_builds_the_pretrained_experiment(tmp_path):
+  from experiments import make_tiny_hf, pretrained_vllm
+  folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
+  config = pretrained_vllm.get_config(folder)
+  tok = load_tokenizer(config.tokenizer)
+  spec = config_lib.build_team_spec(config, tok.vocab_size, 8, ['solver', 'verifier'])
+  for agent in spec.agents.values():
+    assert agent.checkpoint == folder and agent.model == hf.model_config_from_hf(folder)
+  assert config.rollout.backend == 'vllm'
