@@ -137,6 +137,12 @@ def test_bad_checkpoints_are_refused_with_the_field(tmp_path):
   agent.model.checkpoint = str(tmp_path / 'missing')
   with pytest.raises(config_lib.ConfigError, match='agents.a.model.checkpoint'):
     config_lib._agent_spec('a', agent, 40)
+  cfg = ModelConfig(vocab_size=48)
+  folder = hf.save_hf(cfg, nnx.to_pure_dict(nnx.state(Decoder(cfg, nnx.Rngs(params=0)))),
+                      str(tmp_path / 'wrong'))
+  wrong = dataclasses.replace(cfg, mlp=96)
+  with pytest.raises(ValueError, match='gate_proj.weight has shape \\(128, 64\\)'):
+    hf.load_params(folder, wrong, _shardings(wrong, (1, 1)))
 
 
 def _greedy_answers(cfg, params, tokenizer, prompts, max_new=3):

@@ -10,6 +10,7 @@ at once: host memory holds one tensor, never a second copy of the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -187,20 +188,21 @@ def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:
   _, abstract = abstract_params(cfg)
   shapes = nnx.to_pure_dict(abstract)
   params: dict = {}
-  handles: dict[str, Any] = {}
-  try:
+  with contextlib.ExitStack() as stack:
+    handles: dict[str, Any] = {}
     for path, name, from_hf, _ in wanted:
       if files[name] not in handles:
-        handles[files[name]] = safe_open(files[name], framework='numpy').__enter__()
-      value = from_hf(handles[files[name]].get_tensor(name)).astype(jnp.dtype(cfg.dtype))
+        handles[files[name]] = stack.enter_context(safe_open(files[name], framework='numpy'))
+      raw = handles[files[name]].get_tensor(name)
       expected = _get(shapes, path).shape
+      try:
+        value = from_hf(raw).astype(jnp.dtype(cfg.dtype))
+      except ValueError:
+        value = raw
       if value.shape != expected:
-        _fail(hf_dir, f'{name} converts to shape {value.shape}, the config needs {expected}',
+        _fail(hf_dir, f'{name} has shape {raw.shape}, which does not convert to {expected}',
               'config.json and the weights disagree.')
       _set(params, path, jax.device_put(value, _get(shardings, path)))
-  finally:
-    for h in handles.values():
-      h.__exit__(None, None, None)
   return params
 
 

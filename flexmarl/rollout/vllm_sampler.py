@@ -58,6 +58,8 @@ def row_seed(key: np.ndarray) -> int:
 
 def _to_torch(array: np.ndarray):
   import torch
+  if not array.flags.writeable:  # a view of a JAX buffer; torch wants memory it may own
+    array = array.copy()
   if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
     return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
   return torch.from_numpy(array)
