@@ -110,3 +110,6 @@ def test_bad_requests_are_refused_before_the_engine(sampler):
     sampler.submit(PROMPTS, _keys(0), dataclasses.replace(PARAMS, top_p=0.9))
   with pytest.raises(ValueError, match='max_model_len=64'):
     sampler.submit([[1] * 60], _keys(0, 1), PARAMS)
+  with pytest.raises(ValueError, match='model.head_dim=16'):
+    VLLMSampler(dataclasses.replace(CFG, heads=4, kv_heads=2, head_dim=16), {}, workdir='unused',
+                eos_id=TOK.eos_id, pad_id=TOK.pad_id)

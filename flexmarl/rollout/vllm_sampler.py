@@ -110,6 +110,7 @@ class VLLMSampler:
     self._log = log
     self._params = params
     self._llm = None
+    self._check_head_dim()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vllm')
     self._pool.submit(self._start).result()
 
@@ -144,10 +145,9 @@ class VLLMSampler:
   # --- on the worker thread ----------------------------------------------------
 
   def _start(self) -> None:
-    from flexmarl.models.hf import save_hf
     weights = os.path.join(self.workdir, 'weights')
     shutil.rmtree(weights, ignore_errors=True)
-    save_hf(self.cfg, self._params, weights, dtype=self.engine_cfg.dtype)
+    hf.save_hf(self.cfg, self._params, weights, dtype=self.engine_cfg.dtype)
     dirs = {k: os.path.join(self.workdir, d) for k, d in (
         ('VLLM_CACHE_ROOT', 'vllm_cache'), ('TORCHINDUCTOR_CACHE_DIR', 'inductor'),
         ('TMPDIR', 'tmp'))}
@@ -156,7 +156,6 @@ class VLLMSampler:
     with _env({'VLLM_ENABLE_V1_MULTIPROCESSING': '0', **dirs}):
       from vllm import LLM
       e = self.engine_cfg
-      self._check_head_dim()
       self._llm = LLM(
           model=weights, skip_tokenizer_init=True, dtype=e.dtype, max_model_len=e.max_model_len,
           gpu_memory_utilization=e.gpu_memory_utilization, enforce_eager=e.enforce_eager,
