@@ -56,6 +56,7 @@ def embedded(name: str) -> dict:
   out = s.generate(prompts, keys, params)
   gen = time.perf_counter() - t
   _, _, new_state = _model(sizes, 1)
+  jax.block_until_ready(new_state)
   t = time.perf_counter()
   s.update_weights(new_state, 1)
   jax.block_until_ready(s.state)

@@ -217,11 +217,12 @@ def initial_params(cfg: ModelConfig, checkpoint: str, shardings: dict, seed: int
 
 def hf_weights(cfg: ModelConfig, params: dict, dtype: str | None = None
                ) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, contiguous host array) for every parameter, one at a time (export,
-  vLLM weight sync)."""
+  """(HF name, C-contiguous host array) for every parameter, one at a time (export,
+  vLLM weight sync). Layouts change on the device (XLA transposes far faster than
+  numpy); on a single CPU device the host array shares the result's buffer."""
   for path, name, _, to_hf in param_map(cfg):
-    value = to_hf(np.asarray(jax.device_get(_get(params, path))))
-    yield name, np.ascontiguousarray(value, dtype=jnp.dtype(dtype) if dtype else None)
+    value = to_hf(_get(params, path))
+    yield name, np.asarray(value.astype(dtype) if dtype else value)
 
 
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str, tokenizer=None,

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -57,12 +58,14 @@ def row_seed(key: np.ndarray) -> int:
 
 
 def _to_torch(array: np.ndarray):
+  """Shares `array`'s memory. It may be a read-only view of a JAX buffer: vLLM only
+  copies from it, so torch's warning about non-writable arrays is silenced."""
   import torch
-  if not array.flags.writeable:  # a view of a JAX buffer; torch wants memory it may own
-    array = array.copy()
-  if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
-    return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-  return torch.from_numpy(array)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
+      return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _reload(worker, weights, tied: bool) -> None:
