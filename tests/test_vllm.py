@@ -48,9 +48,11 @@ def _flax_logprobs(graphdef, params, batch):
 @pytest.fixture(scope='module')
 def sampler(tmp_path_factory):
   _, params = _params(0)
+  np.random.seed(123)
   s = VLLMSampler(CFG, params, workdir=str(tmp_path_factory.mktemp('vllm')), eos_id=TOK.eos_id,
                   pad_id=TOK.pad_id, engine=VLLMEngineConfig(max_model_len=64,
                                                               kv_cache_bytes=64 << 20))
+  assert np.random.randint(1 << 30) == np.random.RandomState(123).randint(1 << 30)
   yield s
   s.close()
 

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import shutil
 import time
 import warnings
@@ -83,12 +84,16 @@ def _reload(worker, weights, tied: bool) -> None:
 
 @contextlib.contextmanager
 def _env(values: dict[str, str]):
-  """Process environment set only while an engine starts (vLLM reads it then)."""
+  """Process environment set only while an engine starts (vLLM reads it then). An
+  in-process engine also reseeds Python's and numpy's global generators: restored."""
   old = {k: os.environ.get(k) for k in values}
   os.environ.update(values)
+  py_state, np_state = random.getstate(), np.random.get_state()
   try:
     yield
   finally:
+    random.setstate(py_state)
+    np.random.set_state(np_state)
     for k, v in old.items():
       if v is None:
         os.environ.pop(k, None)
