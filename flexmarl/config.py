@@ -8,8 +8,10 @@ raises `ConfigError` naming the field, the bad value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +19,7 @@ import ml_collections
 
 from flexmarl import placement as placement_lib
 from flexmarl.errors import ConfigError
+from flexmarl.models import hf
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
@@ -47,6 +50,7 @@ class AgentSpec:
   min_instances: int  # the balancer never takes the agent below this
   max_instances: int  # ... nor above this
   instance_devices: tuple[tuple[int, ...], ...]  # explicit, one tuple per instance, or ()
+  checkpoint: str = ''  # HF folder the policy starts from ('' : random initialisation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +122,10 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
   """
   unset = lambda: ml_collections.config_dict.placeholder(float)
   cfg = ml_collections.ConfigDict(dict(
+      # checkpoint: an HF Llama/Qwen2 folder; when set, the architecture comes from its
+      # config.json (only dtype applies from here) and the weights from its safetensors.
       model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
-                 dtype='float32'),
+                 dtype='float32', checkpoint=''),
       group_size=8,
       global_batch=64,
       micro_batch=16,
@@ -197,9 +203,22 @@ def _section(a: ml_collections.ConfigDict, key: str, cls, field: str, **extra) -
   return cls(**values, **extra)
 
 
+def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
+  """The ModelConfig of an HF checkpoint folder, checked before anything loads."""
+  if not os.path.isfile(os.path.join(folder, 'config.json')) or not glob.glob(
+      os.path.join(folder, '*.safetensors')):
+    _fail(field, folder, 'give a Hugging Face model folder holding config.json and '
+          '*.safetensors (e.g. one written by `python -m flexmarl.export`).')
+  try:
+    return hf.model_config_from_hf(folder, dtype=dtype)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f'config.{field}={folder!r}: {e}') from None
+
+
 def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> AgentSpec:
   f = f'agents.{name}'
   model = dict(a.model)
+  checkpoint = model.pop('checkpoint', '')
   preset = model.pop('preset')
   if preset not in PRESETS:
     _fail(f'{f}.model.preset', preset, f'choose one of {sorted(PRESETS)}.')
@@ -210,10 +229,18 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
     _fail(f'{f}.model.vocab_size', model_vocab,
           f'the tokenizer has {vocab_size} tokens; use 0 (take the tokenizer size) or more.')
   sizes['vocab_size'] = model_vocab
-  try:
-    model_cfg = ModelConfig(**sizes)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f'config.{f}.model: {e}') from None
+  if checkpoint:
+    model_cfg = _checkpoint_model(f'{f}.model.checkpoint', checkpoint,
+                                  model.get('dtype', 'float32'))
+    if model_cfg.vocab_size < vocab_size:
+      _fail(f'{f}.model.checkpoint', checkpoint,
+            f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
+            f'{vocab_size}; use the checkpoint\'s own tokenizer (config.tokenizer).')
+  else:
+    try:
+      model_cfg = ModelConfig(**sizes)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f'config.{f}.model: {e}') from None
   for key in ('group_size', 'global_batch', 'micro_batch'):
     _int(f'{f}.{key}', a[key], 1)
   if a.global_batch % a.group_size:
@@ -271,7 +298,7 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       grpo=_section(a, 'grpo', GRPOConfig, f, temperature=s.temperature,
                     max_new_tokens=s.max_new_tokens),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
-      mesh_shape=mesh, train_devices=tuple(a.get('train_devices', ())), instances=instances,
+      mesh_shape=mesh, checkpoint=checkpoint, train_devices=tuple(a.get('train_devices', ())), instances=instances,
       min_instances=lo, max_instances=hi,
       instance_devices=tuple(tuple(d) for d in r.get('devices', ())))
 
@@ -296,6 +323,13 @@ def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
     if cfg[key] < 0:
       _fail(f'rollout.{key}', cfg[key], 'must be >= 0 seconds.')
   return RolloutSpec(**cfg.to_dict())
+
+
+def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:
+  """One agent's checked spec from a whole experiment config (e.g. a run's saved one)."""
+  if name not in config.agents:
+    _fail('agents', sorted(config.agents), f'has no agent {name!r}; name one of these.')
+  return _agent_spec(name, config.agents[name], vocab_size)
 
 
 def parse_schedule(value: str) -> tuple[str, int]:

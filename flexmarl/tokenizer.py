@@ -26,10 +26,14 @@ class TextTokenizer:
   """
 
   def __init__(self, tokenizer: Tokenizer, *, eos: str = EOS, bos: str | None = BOS,
-               pad: str | None = PAD, alphabet: str | None = None):
-    """`alphabet`: the only characters `encode` accepts (the char tokenizer's), or None."""
+               pad: str | None = PAD, alphabet: str | None = None,
+               hf_config: dict | None = None):
+    """`alphabet`: the only characters `encode` accepts (the char tokenizer's), or None.
+    `hf_config`: the rest of the folder's tokenizer_config.json (chat template, added
+    tokens...), written back by `save` so an exported model keeps it."""
     self.hf = tokenizer
     self.alphabet = alphabet
+    self.hf_config = dict(hf_config or {})
     vocab = tokenizer.get_vocab()
     for role, special in (('eos', eos), ('bos', bos), ('pad', pad)):
       if special is not None and special not in vocab:
@@ -67,8 +71,10 @@ class TextTokenizer:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, 'tokenizer.json')
     self.hf.save(path)
+    # tokenizer_class lets transformers' AutoTokenizer (and vLLM) load the folder.
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast', **self.hf_config, **self.specials}
     with open(os.path.join(folder, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
-      json.dump(self.specials, f, indent=2)
+      json.dump(config, f, indent=2)
     return path
 
 
@@ -98,6 +104,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
         f'config.tokenizer={path!r}: no tokenizer.json there; give "char" for the built-in '
         'character tokenizer, or an HF tokenizer folder / tokenizer.json.')
   specials = {'eos': EOS, 'bos': BOS, 'pad': PAD}
+  cfg = {}
   config_file = os.path.join(folder, 'tokenizer_config.json')
   if os.path.exists(config_file):
     with open(config_file, encoding='utf-8') as f:
@@ -105,4 +112,4 @@ def load_tokenizer(path: str) -> TextTokenizer:
     specials = {role: _special(cfg.get(f'{role}_token')) for role in specials}
     if specials['eos'] is None:
       raise ValueError(f'{config_file} names no eos_token; generation needs one to stop.')
-  return TextTokenizer(Tokenizer.from_file(file), **specials)
+  return TextTokenizer(Tokenizer.from_file(file), **specials, hf_config=cfg)

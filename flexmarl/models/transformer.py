@@ -38,6 +38,9 @@ class ModelConfig:
   head_dim: int = 16
   mlp: int = 128
   rope_theta: float = 10000.0
+  # HF `rope_scaling` as sorted (key, value) pairs (hashable); () for plain RoPE.
+  # Supported types: 'linear' and 'llama3' (see `rope_frequencies`).
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
   norm_eps: float = 1e-6
   qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
   tie_embeddings: bool = True
@@ -49,6 +52,13 @@ class ModelConfig:
           f'model.heads={self.heads} is not a multiple of model.kv_heads='
           f'{self.kv_heads}: grouped-query attention shares each KV head among '
           'a whole number of query heads. Pick kv_heads dividing heads.')
+    scaling = dict(self.rope_scaling)
+    kind = scaling.get('rope_type', scaling.get('type', 'default'))
+    if kind not in ROPE_SCALING_TYPES:
+      raise ValueError(
+          f'model.rope_scaling type {kind!r} is not supported (supported: '
+          f'{list(ROPE_SCALING_TYPES)}); use a checkpoint without it or add its '
+          'frequencies to flexmarl.models.transformer.rope_frequencies.')
 
 
 # Named sizes, from the test size up to the Qwen2.5-0.5B shape.
@@ -80,11 +90,37 @@ class RMSNorm(nnx.Module):
     return (x * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.scale[...]
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+ROPE_SCALING_TYPES = ('default', 'linear', 'llama3')
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: tuple[tuple[str, Any], ...] = ()) -> jax.Array:
+  """Inverse frequencies [head_dim / 2], with HF's 'linear' or 'llama3' scaling."""
+  half = head_dim // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  s = dict(scaling)
+  kind = s.get('rope_type', s.get('type', 'default'))
+  if kind == 'default':
+    return inv_freq
+  if kind == 'linear':
+    return inv_freq / s['factor']
+  if kind == 'llama3':
+    factor, low, high = s['factor'], s['low_freq_factor'], s['high_freq_factor']
+    old_len = s['original_max_position_embeddings']
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+  raise ValueError(f'model.rope_scaling type {kind!r} is not supported; supported: '
+                   f'{list(ROPE_SCALING_TYPES)}.')
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   """Rotary embedding, HF 'rotate_half' convention. x: [B, L, H, D]."""
   half = x.shape[-1] // 2
-  freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, L, half]
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, half]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
   x1, x2 = x[..., :half], x[..., half:]
@@ -115,8 +151,9 @@ class Attention(nnx.Module):
     v = jnp.einsum('bld,dhk->blhk', x, self.v[...])
     if cfg.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q = rope(q, positions, inv_freq)
+    k = rope(k, positions, inv_freq)
     length = x.shape[1]
     if cache is not None:
       ck, cv = cache

@@ -1,0 +1,65 @@
+"""Export an agent's latest checkpoint as a Hugging Face folder.
+
+  python -m flexmarl.export WORKDIR AGENT OUT_DIR [--step=N] [--dtype=bfloat16]
+
+The folder (safetensors, config.json, tokenizer files) loads in `transformers`
+(`AutoModelForCausalLM.from_pretrained`) and in vLLM, and as `model.checkpoint` of a
+new FlexMARL agent. The agent's architecture is rebuilt from `WORKDIR/config.json`
+and its tokenizer from `WORKDIR/tokenizer/`, both written when the run started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+from absl import app, flags
+from flax import nnx
+
+from flexmarl.config import agent_spec
+from flexmarl.models import hf
+from flexmarl.tokenizer import load_tokenizer
+from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.trainer import make_optimizer
+
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
+_DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (default: as trained).')
+
+
+def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
+           dtype: str | None = None) -> str:
+  """Write `agent`'s checkpoint `step` (default: latest) of the run in `workdir`."""
+  config_file = os.path.join(workdir, 'config.json')
+  if not os.path.exists(config_file):
+    raise FileNotFoundError(f'WORKDIR={workdir!r} has no config.json: give the --workdir '
+                            'of a flexmarl.main run.')
+  with open(config_file, encoding='utf-8') as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  tokenizer = load_tokenizer(os.path.join(workdir, 'tokenizer'))
+  spec = agent_spec(config, agent, tokenizer.vocab_size)
+  checkpointer = AgentCheckpointer(workdir, agent)
+  steps = checkpointer.steps()
+  if not steps or (step is not None and step not in steps):
+    raise FileNotFoundError(f'agent {agent!r} in {workdir!r} has checkpoints {steps}; '
+                            f'step {step} is not one of them.')
+  # Restore onto one device, as shapes first: nothing is initialised just to be replaced.
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = nnx.to_pure_dict(hf.abstract_params(spec.model)[1])
+  like = {'params': params, 'opt_state': jax.eval_shape(make_optimizer(spec.optimizer).init, params)}
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
+  state, _ = checkpointer.restore(max(steps) if step is None else step, like)
+  checkpointer.close()
+  return hf.save_hf(spec.model, state['params'], out_dir, tokenizer=tokenizer, dtype=dtype)
+
+
+def main(argv):
+  if len(argv) != 4:
+    raise app.UsageError('usage: python -m flexmarl.export WORKDIR AGENT OUT_DIR')
+  out = export(argv[1], argv[2], argv[3], step=_STEP.value, dtype=_DTYPE.value)
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  app.run(main)

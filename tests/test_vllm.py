@@ -1,0 +1,117 @@
+"""The vLLM rollout instance: logprob parity after weight syncs, per-row seeds, restarts.
+
+One in-process engine (CPU, fp32) serves the whole module. vLLM on CPU needs head
+sizes of 32 or more, so the model is the tiny preset with 2 heads of 32.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requirements-vllm.txt)')
+
+from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
+from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
+from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler, row_seed  # noqa: E402
+from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
+from flexmarl.train.trainer import TrainBatch, response_logprobs  # noqa: E402
+
+TOK = build_char_tokenizer()
+CFG = ModelConfig(vocab_size=TOK.vocab_size, heads=2, kv_heads=1, head_dim=32)
+PARAMS = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=12)
+PROMPTS = [TOK.encode(p) for p in ('1+2=', 'abc>', 'sort 31:', 'x', '4*4=', 'dcba', 'q?', '9')]
+
+
+def _params(seed):
+  """Random weights at a scale that makes the policy far from uniform."""
+  graphdef, state = nnx.split(Decoder(CFG, nnx.Rngs(params=seed)))
+  return graphdef, jax.tree.map(lambda x: x * 2.0, nnx.to_pure_dict(state))
+
+
+def _keys(version, n=len(PROMPTS)):
+  return np.stack([sample_key(0, 'solver', version, f'q{i}_0_0') for i in range(n)])
+
+
+def _flax_logprobs(graphdef, params, batch):
+  rows = TrainBatch.from_rows(
+      PROMPTS, [batch.tokens[i, :batch.lengths[i]] for i in range(len(PROMPTS))],
+      [batch.logprobs[i, :batch.lengths[i]] for i in range(len(PROMPTS))],
+      np.zeros(len(PROMPTS), np.float32), prompt_len=16, response_len=PARAMS.max_new_tokens,
+      pad_id=TOK.pad_id)
+  logp, _ = response_logprobs(graphdef, params, dataclasses.asdict(rows), PARAMS.temperature)
+  return np.asarray(logp)[:len(PROMPTS)], rows.response_mask[:len(PROMPTS)]
+
+
+@pytest.fixture(scope='module')
+def sampler(tmp_path_factory):
+  _, params = _params(0)
+  np.random.seed(123)
+  s = VLLMSampler(CFG, params, workdir=str(tmp_path_factory.mktemp('vllm')), eos_id=TOK.eos_id,
+                  pad_id=TOK.pad_id, engine=VLLMEngineConfig(max_model_len=64,
+                                                              kv_cache_bytes=64 << 20))
+  assert np.random.randint(1 << 30) == np.random.RandomState(123).randint(1 << 30)
+  yield s
+  s.close()
+
+
+def test_logprobs_match_flax_after_each_weight_sync(sampler):
+  eos_seen = 0
+  previous = None
+  for version in range(3):
+    graphdef, params = _params(version)
+    if version:
+      sampler.update_weights(params, version)
+      assert sampler.version == version and 0 < sampler.last_sync_s < 5
+    batch = sampler.submit(PROMPTS, _keys(version), PARAMS).result()
+    ours, mask = _flax_logprobs(graphdef, params, batch)
+    assert mask.sum() == batch.lengths.sum() > 0
+    np.testing.assert_allclose(batch.logprobs[mask], ours[mask], atol=1e-4, rtol=0, err_msg=f"v{version}")
+    for i, n in enumerate(batch.lengths):
+      assert (batch.tokens[i, n:] == TOK.pad_id).all()
+      assert TOK.eos_id not in batch.tokens[i, :n - 1]  # EOS ends a response, counted in it
+      eos_seen += int(batch.tokens[i, n - 1] == TOK.eos_id)
+    if previous is not None:  # the new weights are really served
+      old_logp, old_mask = _flax_logprobs(graphdef, params, previous)
+      assert np.abs(old_logp[old_mask] - previous.logprobs[old_mask]).max() > 0.1
+    previous = batch
+  assert eos_seen > 0
+
+
+def test_a_row_does_not_depend_on_its_batch(sampler):
+  keys = _keys(7)
+  together = sampler.submit(PROMPTS, keys, PARAMS).result()
+  for i in (0, 5):
+    alone = sampler.submit([PROMPTS[i]], keys[i:i + 1], PARAMS).result()
+    np.testing.assert_array_equal(alone.tokens[0], together.tokens[i])
+    np.testing.assert_allclose(alone.logprobs[0], together.logprobs[i], atol=1e-5)
+  reversed_batch = sampler.submit(PROMPTS[::-1], keys[::-1], PARAMS).result()
+  np.testing.assert_array_equal(reversed_batch.tokens[::-1], together.tokens)
+  assert len({row_seed(k) for k in keys}) == len(keys)
+
+
+def test_killed_engine_restarts_with_current_weights_and_serves_pending(sampler):
+  keys = _keys(9)
+  reference = sampler.submit(PROMPTS, keys, PARAMS).result()
+  assert sampler.healthy()
+  restarts = sampler.restarts
+  sampler.kill()
+  assert not sampler.healthy()
+  pending = [sampler.submit(PROMPTS, keys, PARAMS), sampler.submit(PROMPTS[:3], keys[:3], PARAMS)]
+  first, second = (f.result(timeout=120) for f in pending)
+  assert sampler.restarts == restarts + 1 and sampler.healthy()
+  np.testing.assert_array_equal(first.tokens, reference.tokens)
+  np.testing.assert_array_equal(second.tokens, reference.tokens[:3])
+  np.testing.assert_allclose(first.logprobs, reference.logprobs, atol=1e-5)
+
+
+def test_bad_requests_are_refused_before_the_engine(sampler):
+  with pytest.raises(ValueError, match='top_p'):
+    sampler.submit(PROMPTS, _keys(0), dataclasses.replace(PARAMS, top_p=0.9))
+  with pytest.raises(ValueError, match='max_model_len=64'):
+    sampler.submit([[1] * 60], _keys(0, 1), PARAMS)
+  with pytest.raises(ValueError, match='model.head_dim=16'):
+    VLLMSampler(dataclasses.replace(CFG, heads=4, kv_heads=2, head_dim=16), {}, workdir='unused',
+                eos_id=TOK.eos_id, pad_id=TOK.pad_id)
