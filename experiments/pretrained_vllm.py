@@ -25,7 +25,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
   config.rollout = dict(
-      queries_per_wave=8, max_waves=4, devices='shared', backend='vllm',
+      query_concurrency=8, max_step_queries=32, devices='shared', backend='vllm',
       vllm=dict(dtype='float32', max_model_len=64, gpu_memory_utilization=0.5,
                 kv_cache_bytes=64 << 20, enforce_eager=True))
   sampling = dict(temperature=1.0, top_p=1.0, max_new_tokens=2)  # vLLM: top_p must be 1

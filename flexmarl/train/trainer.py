@@ -143,15 +143,22 @@ class AgentTrainer:
 
   def __init__(self, name: str, model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                grpo_cfg: grpo.GRPOConfig, mesh: Mesh | sharding.MeshLayout, seed: int,
-               steps: StepCache | None = None):
+               steps: StepCache | None = None, init_params: dict | None = None):
+    """`init_params`: starting weights (e.g. from an HF checkpoint, already on the
+    mesh's shardings); by default a random initialisation from `seed`."""
     self.name = name
     self.grpo_cfg = grpo_cfg
     self.layout = mesh if isinstance(mesh, sharding.MeshLayout) else sharding.layout_of(mesh)
     self.batch_multiple = self.layout.batch_multiple
-    model = transformer.Decoder(model_cfg, nnx.Rngs(params=seed))
-    self.graphdef, nnx_state = nnx.split(model)
     self.tx = make_optimizer(opt_cfg)
-    params = jax.device_get(nnx.to_pure_dict(nnx_state))
+    if init_params is None:
+      model = transformer.Decoder(model_cfg, nnx.Rngs(params=seed))
+      self.graphdef, nnx_state = nnx.split(model)
+      params = jax.device_get(nnx.to_pure_dict(nnx_state))
+    else:  # a pretrained model: its structure only, no second copy of the weights
+      self.graphdef, nnx_state = nnx.split(
+          nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(0))))
+      params = init_params
 
     def build() -> Steps:
       loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg)
