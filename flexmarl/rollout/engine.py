@@ -95,7 +95,8 @@ class _QueryContext:
     future = asyncio.get_running_loop().create_future()
     self.requests.append(Request(
         self.index, self.query.query_id, self._next_turn, agent, ids, n,
-        len(ids) + n * engine.sampling[agent].max_new_tokens, future, self.turns))
+        len(ids) + n * engine.sampling[agent].max_new_tokens, future, self.turns,
+        engine.clock.now()))
     self._next_turn += 1
     self.waiting += 1
     future.add_done_callback(lambda _: setattr(self, 'waiting', self.waiting - 1))

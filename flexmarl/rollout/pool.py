@@ -33,6 +33,7 @@ class Request:
   cost: int  # tokens it may occupy: prompt + n × max_new_tokens
   future: asyncio.Future  # answered with the completions
   turns: list  # the query's record of served turns, where this one is added
+  enqueued: float = 0.0  # clock time the workflow asked (for queue-time metrics)
 
   @property
   def sample_ids(self) -> list[str]:
@@ -57,6 +58,7 @@ class Instance:
     self.version = -1
     self.started = 0.0
     self.busy: list[tuple[float, float]] = []  # (start, end) of every batch it generated
+    self.waits: list[tuple[str, float]] = []  # (agent, seconds queued) of each request started
 
   @property
   def outstanding(self) -> int:
@@ -81,6 +83,7 @@ class Instance:
     prompts = [r.prompt_ids for r in batch for _ in range(r.n)]
     all_keys = np.concatenate([keys(r, self.version) for r in batch])
     self.running, self.started = batch, now
+    self.waits.extend((r.agent, now - r.enqueued) for r in batch)
     self.pending = self.sampler.submit(prompts, all_keys, sampling)
 
   def collect(self, now: float) -> tuple[list[Request], SampleBatch, int]:
