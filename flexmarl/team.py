@@ -139,11 +139,13 @@ class Agent:
 
 def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[int, ...],
                      devices_by_id: Mapping[int, jax.Device], spec: TeamSpec,
-                     tokenizer: TextTokenizer, vllm_dir: str
+                     tokenizer: TextTokenizer, vllm_dir: str, compiled: dict
                      ) -> Callable[[tuple[int, ...], dict, int], Sampler]:
   """Builds this agent's sampler on given devices: a vLLM engine (rollout.backend=vllm,
   started from an export of the weights, under `vllm_dir`), or the embedded sampler in
-  the trainer's layout, every instance sharing one compiled sampling loop."""
+  the trainer's layout. Instances of agents with the same model share one compiled
+  sampling loop (`compiled`, per model config), so an instance that moves between
+  such agents does not compile again."""
   if spec.rollout.backend == 'vllm':
     from flexmarl.rollout import vllm_sampler  # the optional extra
     engine = vllm_sampler.engine_config(**spec.rollout.vllm)
@@ -153,7 +155,7 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
           a.model, params, workdir=os.path.join(vllm_dir, '-'.join(map(str, devices))),
           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, engine=engine, version=version)
     return make_vllm
-  generate_fn = compile_generate(trainer.graphdef)
+  generate_fn = compiled.setdefault(a.model, compile_generate(trainer.graphdef))
 
   def make(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
     # On the trainer's own devices the published arrays are served as they are.
@@ -172,7 +174,7 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
                ) -> dict[str, Agent]:
   """Every agent of `spec` on the devices `placement` gives it."""
   by_id = {d.id: d for d in devices}
-  agents = {}
+  agents, compiled = {}, {}
   for i, (name, a) in enumerate(spec.agents.items()):
     train = placement.train[name]
     mesh = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape)
@@ -183,7 +185,7 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
     trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i,
                            init_params=init)
     make = _sampler_factory(a, trainer, train.devices, by_id, spec, tokenizer,
-                            os.path.join(workdir, 'vllm', name))
+                            os.path.join(workdir, 'vllm', name), compiled)
     instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
                  for j, m in enumerate(placement.rollout[name])]
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)

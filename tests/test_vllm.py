@@ -115,3 +115,34 @@ def test_bad_requests_are_refused_before_the_engine(sampler):
   with pytest.raises(ValueError, match='model.head_dim=16'):
     VLLMSampler(dataclasses.replace(CFG, heads=4, kv_heads=2, head_dim=16), {}, workdir='unused',
                 eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+
+
+def test_training_with_vllm_rollout_survives_a_killed_engine(tmp_path):
+  """`rollout.backend=vllm` end to end: agents from an HF checkpoint, rewards in the
+  metrics, weights synced after every update; an engine killed mid-run is replaced and
+  the store holds every served row exactly once."""
+  import importlib
+  import os
+
+  from flexmarl.metrics.writer import read_metrics
+  from flexmarl.run import build
+  from flexmarl.store.experience_store import ExperienceStore
+  checkpoint = importlib.import_module('experiments.make_tiny_hf').make(str(tmp_path / 'hf'))
+  config = importlib.import_module('experiments.pretrained_vllm').get_config(checkpoint)
+  config.steps = config.checkpoint_every = 3
+  workdir = str(tmp_path / 'run')
+  orch = build(config, workdir, log=lambda *_: None)
+  solver = orch.agents['solver'].pool.instances[0].sampler
+  orch.run_step()
+  solver.kill()
+  summary = orch.run(log=lambda *_: None)
+  assert solver.restarts == 1
+  assert solver.version == orch.agents['solver'].version >= 1
+  lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  assert {l['step'] for l in lines} == {2, 3} and summary['agents']['solver']['updates'] >= 1
+  assert all(np.isfinite(l['reward_mean']) for l in lines if l['agent'] != 'team')
+  with ExperienceStore.open(os.path.join(workdir, 'store'), ['solver', 'verifier']) as store:
+    # every consumed query: 8 solver answers, each checked twice by the verifier
+    for agent, per_query in (('solver', 8), ('verifier', 16)):
+      ids = [r.sample_id for r in store.read(agent)]
+      assert len(ids) == len(set(ids)) == per_query * orch.next_query, agent

@@ -40,7 +40,7 @@ SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:1')
 
 
 def step_time(schedule: str, concurrency: int, admission: str, rollout_devices: str) -> dict:
-  from flexmarl.main import build
+  from flexmarl.run import build
 
   spec_file = os.path.join(os.path.dirname(__file__), '..', 'hierarchical_assistant.py')
   module_spec = importlib.util.spec_from_file_location('hierarchical_assistant', spec_file)

@@ -86,7 +86,7 @@ def timed_run(orch, queries) -> dict:
 
 
 def measure(variant: str) -> dict:
-  from flexmarl.main import build
+  from flexmarl.run import build
 
   with tempfile.TemporaryDirectory() as workdir:
     orch = build(variant_config(variant), workdir)
