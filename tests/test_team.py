@@ -11,6 +11,7 @@ from flexmarl.config import agent_config, rollout_config
 from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
 
+STEPS = 80  # enough for both agents' rewards to rise by well over 0.2
 REQUIRED = {'step', 'agent', 'reward_mean', 'reward_std', 'accuracy', 'policy_version',
             'tokens', 'step_time_s'}
 
@@ -39,7 +40,7 @@ def two_agent_config(steps: int) -> ml_collections.ConfigDict:
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('team'))
-  summary = train(two_agent_config(steps=60), workdir, log=lambda *_: None)
+  summary = train(two_agent_config(steps=STEPS), workdir, log=lambda *_: None)
   return workdir, summary
 
 
@@ -58,7 +59,7 @@ def test_workdir_contract(run):
   for l in lines:
     assert REQUIRED <= set(l), set(l)
   steps = sorted({l['step'] for l in lines})
-  assert steps == list(range(1, 61))
+  assert steps == list(range(1, STEPS + 1))
   # versions count the agent's own updates: +1 for each step it updated
   solver = [l for l in lines if l['agent'] == 'solver']
   assert [l['policy_version'] for l in solver] == list(
@@ -72,6 +73,38 @@ def test_workdir_contract(run):
   assert summary['tokens_per_s'] > 0
   for agent in ('solver', 'verifier'):
     ckpts = os.listdir(os.path.join(workdir, 'checkpoints', agent))
-    assert '60' in ckpts, ckpts
+    assert str(STEPS) in ckpts, ckpts
   events = os.listdir(os.path.join(workdir, 'tensorboard'))
   assert any(e.startswith('events.out.tfevents') for e in events)
+
+
+def test_trace_utilization_and_plots_of_a_real_run(run):
+  """The run's trace loads as Trace Event JSON (what Perfetto reads), has a track per
+  training mesh, rollout instance and store table, and utilization adds up."""
+  import matplotlib.image
+
+  from flexmarl.plot import plot_workdir
+  workdir, summary = run
+  with open(os.path.join(workdir, 'trace.json')) as f:
+    events = json.load(f)
+  named = {(e['pid'], e.get('tid')): e['args']['name'] for e in events if e['ph'] == 'M'}
+  spans = [e for e in events if e['ph'] == 'X']
+  for e in spans:
+    assert {'name', 'ph', 'ts', 'dur', 'pid', 'tid', 'args'} <= set(e) and e['dur'] >= 0
+    assert (e['pid'], e['tid']) in named and (e['pid'], 0) in named
+  tracks = set(named.values())
+  for agent in ('solver', 'verifier'):
+    assert {f'train:{agent}', f'rollout:{agent}/0', f'store:{agent}'} <= tracks
+  kinds = {e['cat'] for e in spans}
+  assert {'generate', 'micro_batch', 'optimizer_step', 'weight_sync', 'store_write'} <= kinds
+  assert {e['args']['step'] for e in spans if e['cat'] == 'generate'} == set(range(1, STEPS + 1))
+  groups = summary['utilization']['groups']
+  assert {'train:solver', 'rollout:verifier'} <= set(groups)
+  for g in groups.values():
+    assert abs(g['busy_s'] + g['idle_s'] - g['wall_s']) < 1e-6 and 0 < g['utilization'] <= 1
+  team = [l for l in read_metrics(os.path.join(workdir, 'metrics.jsonl')) if l['agent'] == 'team']
+  util = [l['util/train:solver'] for l in team if 'util/train:solver' in l]
+  assert len(util) >= STEPS - 1 and all(0 <= u <= 1 for u in util)  # from its first update
+  for path in plot_workdir(workdir):
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.std() > 0.01, path
