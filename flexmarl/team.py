@@ -2,11 +2,15 @@
 
 `build_team` turns a checked TeamSpec and a Placement into agents: each trainer on its
 mesh, each rollout instance a sampler on its own devices (or on the training devices
-with `rollout.devices=shared`), weights copied there in the trainer's layout.
+with `rollout.devices=shared`), weights copied there in the trainer's layout. With a
+training pool (`placement.pool`) trainers start with their state in host memory and
+one `TrainingEngine` binds them to the pool's meshes as they get work; the trainers
+of a team share one `StepCache` either way.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,15 +25,21 @@ from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.step import StepCache
 from flexmarl.train.trainer import AgentTrainer, TrainBatch
 
 
 class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
-               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int):
+               checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int,
+               engine: TrainingEngine | None = None):
+    """`engine`: the training pool's, which binds the trainer to a mesh for each piece
+    of work; None: the trainer stays on its own mesh."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
-    self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.prompt_len, self.pad_id, self.engine = prompt_len, pad_id, engine
+    self._stepped = None  # params of the last optimizer step, until published
 
   @property
   def name(self) -> str:
@@ -40,20 +50,36 @@ class Agent:
     return self.trainer.version
 
   def publish(self) -> None:
-    """Send the trainer's current weights to every rollout instance of the agent."""
-    self.pool.publish(self.trainer.params, self.trainer.version)
+    """Send the trainer's current weights to every rollout instance of the agent: those
+    of its last step, taken before its state could be swapped out."""
+    params = self.trainer.params if self._stepped is None else self._stepped
+    self._stepped = None
+    self.pool.publish(params, self.trainer.version)
+
+  def _train(self, work: Callable[[], None]) -> None:
+    """Run `work` on the trainer: at once, or through the pool's engine."""
+    if self.engine is None:
+      work()
+    else:
+      self.engine.submit(self.name, work)
+      self.engine.run()
+
+  def swap_stats(self) -> dict:
+    """Where the agent trained since the last call and its swap costs ({} without a pool)."""
+    return {} if self.engine is None else self.engine.step_stats(self.name)
 
   def accumulate(self, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
     awaited: it runs on the training devices while the caller goes on)."""
     trainer = self.trainer
-    self.trainer.accumulate(TrainBatch.from_rows(
+    batch = TrainBatch.from_rows(
         [g.turn.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.turn.tokens],
         [lp for g in micro for lp in g.turn.logprobs],
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
-        pad_id=self.pad_id, batch_multiple=trainer.batch_multiple))
+        pad_id=self.pad_id, batch_multiple=trainer.batch_multiple)
+    self._train(lambda: trainer.accumulate(batch))
 
   def start_step(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
                  ) -> Callable[[], dict[str, float]]:
@@ -66,7 +92,13 @@ class Agent:
     lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
-    result = self.trainer.dispatch_apply()
+    dispatched = []
+
+    def step() -> None:
+      dispatched.append(self.trainer.dispatch_apply())
+      self._stepped = self.trainer.params
+    self._train(step)
+    result, = dispatched
 
     def finish() -> dict[str, float]:
       return dict(result(), train_s=time.perf_counter() - t0, rows=len(lags),
@@ -75,6 +107,8 @@ class Agent:
 
   def close(self) -> None:
     self.checkpointer.wait()
+    if self.engine is not None:
+      self.engine.close()
     for inst in self.pool.instances:
       inst.sampler.close()
 
@@ -88,9 +122,10 @@ def _sampler_factory(spec: AgentSpec, trainer: AgentTrainer, train_devices: tupl
 
   def make(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
     # On the trainer's own devices the published arrays are served as they are.
-    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], spec.mesh_shape)
+    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], spec.mesh_shape,
+                              spec.mesh_axes)
     layout = (None if tuple(devices) == tuple(train_devices)
-              else sharding.same_layout(trainer.shardings, mesh))
+              else trainer.shardings_on(mesh))
     return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=prompt_len,
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                            batch_multiple=trainer.batch_multiple, version=version,
@@ -102,16 +137,30 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
                devices: Sequence[jax.Device]) -> dict[str, Agent]:
   """Every agent of `spec` on the devices `placement` gives it."""
   by_id = {d.id: d for d in devices}
-  agents = {}
+  steps = StepCache()
+  trainers = {}
   for i, (name, a) in enumerate(spec.agents.items()):
     train = placement.train[name]
-    mesh = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape)
-    trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i)
+    where = (a.layout if placement.pool else
+             sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape, a.mesh_axes))
+    trainers[name] = AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
+                                  seed=spec.seed * 1000 + i, steps=steps)
+  engine = None
+  if placement.pool:
+    engine = TrainingEngine(
+        trainers, [(f'pool{i}', [by_id[d] for d in m.devices], m.shape)
+                   for i, m in enumerate(placement.pool)],
+        spec.training.host_budget_bytes,
+        spec.training.storage_dir or os.path.join(workdir, 'swap'))
+  agents = {}
+  for name, a in spec.agents.items():
+    train, trainer = placement.train[name], trainers[name]
     make = _sampler_factory(a, trainer, train.devices, by_id, spec.max_prompt_len, tokenizer)
     instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
                  for j, m in enumerate(placement.rollout[name])]
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
     pool.params = trainer.params
     agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
-                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id)
+                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id,
+                         engine=engine)
   return agents
