@@ -94,7 +94,8 @@ class TrainingEngine:
                    for a, q in self.queues.items() if q]
         if not waiting:
           return
-        free = [FreeMesh(m, shape, self.bound[m]) for m, (_, shape) in self.meshes.items()]
+        free = [FreeMesh(m, shape, a, self.last_used[a] if a else 0)
+                for m, (_, shape) in self.meshes.items() for a in [self.bound[m]]]
         bindings = allocate(waiting, free)
         if not bindings:
           shapes = sorted({w.layout for w in waiting})
