@@ -1,8 +1,8 @@
-"""Four agents take turns on a training pool of two meshes (`sync`: an agent that skips a
-step shifts who lands where): each runs on both, states
-go through host memory and storage (a host budget of one state), a checkpoint is taken
-while some are swapped out, and the parameters equal those of a run where every agent
-keeps a mesh of its own. Bad pool configs fail before anything compiles."""
+"""Four agents take turns on a training pool of two meshes (under `sync`, an agent that
+skips a step shifts who lands where, so each runs on both); states go through host
+memory and storage (a host budget of one state), checkpoints are taken while some are
+swapped out, and the parameters equal those of a run where every agent keeps a mesh of
+its own. Bad pool configs fail before anything compiles."""
 
 import os
 
