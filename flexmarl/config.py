@@ -19,10 +19,11 @@ import ml_collections
 
 from flexmarl import placement as placement_lib
 from flexmarl.errors import ConfigError
-from flexmarl.models import hf
+from flexmarl.models import hf, sharding
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
+from flexmarl.train import pool as pool_lib
 from flexmarl.train.grpo import LOSS_NORMS, GRPOConfig
 from flexmarl.train.trainer import OptimizerConfig
 
@@ -30,8 +31,9 @@ ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 BACKENDS = ('embedded', 'vllm')
 
-__all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'agent_config',
-           'rollout_config', 'build_team_spec', 'parse_schedule']
+__all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
+           'agent_config', 'rollout_config', 'training_config', 'build_team_spec',
+           'parse_schedule']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,8 @@ class AgentSpec:
   group_size: int
   global_batch: int  # rows (samples) per optimizer step
   micro_batch: int  # rows per gradient accumulation
-  mesh_shape: tuple[int, int]  # (data, model)
+  mesh_shape: tuple[int, ...]
+  mesh_axes: tuple[str, ...]  # names of the mesh_shape dims (see models.sharding)
   train_devices: tuple[int, ...]  # explicit device ids, or () to derive
   instances: int  # rollout instances at start
   min_instances: int  # the balancer never takes the agent below this
@@ -52,6 +55,18 @@ class AgentSpec:
   instance_devices: tuple[tuple[int, ...], ...]  # explicit, one tuple per instance, or ()
   checkpoint: str = ''  # HF folder the policy starts from ('' : random initialisation)
 
+  @property
+  def layout(self) -> sharding.MeshLayout:
+    return sharding.MeshLayout(self.mesh_shape, self.mesh_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+  """The training pool (see `training_config`); pool_devices 0: no pool."""
+
+  pool_devices: int = 0
+  host_budget_bytes: int = 0  # 0: unlimited
+  storage_dir: str = ''  # '' : WORKDIR/swap
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
@@ -83,6 +98,7 @@ class TeamSpec:
   rollout: RolloutSpec
   placement: placement_lib.Placement
   checkpoint_every: int
+  training: TrainingSpec = TrainingSpec()
 
 
 def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -119,6 +135,27 @@ def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
   return cfg
 
 
+def training_config(**overrides: Any) -> ml_collections.ConfigDict:
+  """Default training-pool config (`config.training`, optional).
+
+  - pool_devices: 0 gives every agent a mesh of its own (`agents.X.mesh_shape`, on
+    devices of its own). N > 0 carves the first N free devices into meshes that the
+    agents share, taking turns: an agent is bound to a free mesh of its shape while it
+    has a micro-batch or an optimizer step to run, and its state waits in host memory
+    (or storage) in between.
+  - mesh_shapes: the pool's meshes, e.g. [(2,), (2,)]; () derives one mesh per distinct
+    agent shape, then more round-robin while devices remain.
+  - host_budget_gb: host memory for swapped-out states; the least recently used go to
+    storage beyond it (0: unlimited).
+  - storage_dir: where states swapped to storage go ('': WORKDIR/swap).
+  """
+  cfg = ml_collections.ConfigDict(dict(pool_devices=0, mesh_shapes=(), host_budget_gb=0.0,
+                                       storage_dir=''))
+  for key, value in overrides.items():
+    cfg[key] = value
+  return cfg
+
+
 def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:
   """Default per-agent config; experiment files start from it and override fields.
 
@@ -135,6 +172,7 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       global_batch=64,
       micro_batch=16,
       mesh_shape=(1, 1),
+      mesh_axes=(),  # e.g. ('fsdp',) or ('fsdp', 'tensor'); () means ('data', 'model')
       train_devices=(),  # explicit jax device ids of the training mesh; () derives them
       # Rollout instances: how many at start, the balancer's bounds (max 0: no bound),
       # and optionally explicit device ids per instance.
@@ -260,8 +298,10 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
           f'must divide global_batch={a.global_batch}; try '
           f'{[d for d in range(a.group_size, a.global_batch + 1, a.group_size) if a.global_batch % d == 0]}.')
   mesh = tuple(a.mesh_shape)
-  if len(mesh) != 2 or min(mesh) < 1:
-    _fail(f'{f}.mesh_shape', mesh, 'give (data, model), each >= 1 device.')
+  try:
+    layout = sharding.layout(mesh, tuple(a.get('mesh_axes', ())) or None)
+  except ValueError as e:
+    _fail(f'{f}.mesh_shape', mesh, f'{e} Set {f}.mesh_axes to name its dims.')
   s = a.sampling
   if s.temperature <= 0:
     _fail(f'{f}.sampling.temperature', s.temperature, 'must be > 0.')
@@ -303,8 +343,9 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
       grpo=_section(a, 'grpo', GRPOConfig, f, temperature=s.temperature,
                     max_new_tokens=s.max_new_tokens),
       group_size=a.group_size, global_batch=a.global_batch, micro_batch=a.micro_batch,
-      mesh_shape=mesh, checkpoint=checkpoint, train_devices=tuple(a.get('train_devices', ())),
-      instances=instances, min_instances=lo, max_instances=hi,
+      mesh_shape=layout.shape, mesh_axes=layout.axes, checkpoint=checkpoint,
+      train_devices=tuple(a.get('train_devices', ())), instances=instances,
+      min_instances=lo, max_instances=hi,
       instance_devices=tuple(tuple(d) for d in r.get('devices', ())))
 
 
@@ -347,6 +388,33 @@ def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) ->
   return _agent_spec(name, config.agents[name], vocab_size)
 
 
+def _training_spec(t: Mapping[str, Any], agents: Mapping[str, AgentSpec]
+                   ) -> tuple[TrainingSpec, list[tuple[int, ...]]]:
+  """The checked training pool and its listed mesh shapes; nothing is compiled."""
+  cfg = training_config().to_dict()
+  for key, value in t.items():
+    if key not in cfg:
+      _fail(f'training.{key}', value, f'unknown field; training fields are {sorted(cfg)}.')
+    cfg[key] = value
+  devices = cfg['pool_devices']
+  if devices < 0:
+    _fail('training.pool_devices', devices, 'must be >= 0 (0: every agent on its own mesh).')
+  if cfg['host_budget_gb'] < 0:
+    _fail('training.host_budget_gb', cfg['host_budget_gb'], 'must be >= 0 (0: unlimited).')
+  shapes = [tuple(s) for s in cfg['mesh_shapes']]
+  if devices:
+    pool_lib.check_pool(devices, {n: a.layout for n, a in agents.items()})
+    budget = int(cfg['host_budget_gb'] * 1e9)
+    if budget:
+      pool_lib.check_host_budget(
+          budget, {n: pool_lib.state_nbytes(a.model, a.optimizer, a.grpo)
+                   for n, a in agents.items()}, 'training.host_budget_gb', unit=1e9)
+  elif shapes or cfg['host_budget_gb']:
+    _fail('training.pool_devices', devices, 'mesh_shapes and host_budget_gb need a training '
+          'pool: give it devices, or leave them unset.')
+  return TrainingSpec(devices, int(cfg['host_budget_gb'] * 1e9), cfg['storage_dir']), shapes
+
+
 def parse_schedule(value: str) -> tuple[str, int]:
   """`config.schedule` → (schedule, max staleness): 'flexmarl' → ('flexmarl', 0),
   'async:2' → ('async', 2)."""
@@ -380,15 +448,20 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
             f'not define (defined: {sorted(config.agents)}); add it or rename it.')
   agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
   rollout = _rollout_spec(config.rollout)
+  training, mesh_shapes = _training_spec(config.get('training') or {}, agents)
   placement = placement_lib.derive(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices) for n, a in agents.items()},
-      rollout.devices, device_ids)
+      rollout.devices, device_ids, training.pool_devices, mesh_shapes)
   _int('checkpoint_every', config.checkpoint_every, 1)
+  if training.pool_devices and any(a.checkpoint for a in agents.values()):
+    _fail('training.pool_devices', training.pool_devices, 'agents that start from '
+          'model.checkpoint need a mesh of their own for now: set pool_devices=0.')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
-                  placement=placement, checkpoint_every=config.checkpoint_every)
+                  placement=placement, checkpoint_every=config.checkpoint_every,
+                  training=training)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizer,

@@ -185,6 +185,7 @@ class JointOrchestrator:
     for name, line in lines.items():
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
+      line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
     self.journal.write()
     lines[TEAM] = dict(self._utilization(), **dict(
         reward_mean=float(np.nanmean([l['reward_mean'] for l in lines.values()])),

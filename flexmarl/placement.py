@@ -4,7 +4,15 @@ rollout instances.
 Derived from the config by default (training meshes first, in config order, on
 consecutive devices; then, with `rollout.devices=separate`, each rollout instance on
 devices of its own; with `shared`, instances run on their agent's training devices),
-or given explicitly per agent (`train_devices`, `rollout.devices`). It is checked
+or given explicitly per agent (`train_devices`, `rollout.devices`).
+
+With a training pool (`training.pool_devices` > 0) agents have no mesh of their own:
+the pool's first devices are carved, consecutively, into meshes (`pool`), and an
+agent is bound to a free one of its shape whenever it has work (`train.engine`); its
+`train` entry then names its shape with no devices. With `rollout.devices=shared`
+its instances run on the pool meshes of its shape (instance j of the k-th agent of a
+shape on mesh (k + j) mod n of the n meshes of that shape); with `separate` on
+devices outside the pool. It is checked
 before anything compiles, printed at start-up, saved as `WORKDIR/placement.json`
 and compared on resume. Devices are named by their `jax.Device.id`.
 """
@@ -44,23 +52,30 @@ class Placement:
   mode: str
   train: Mapping[str, MeshPlacement]
   rollout: Mapping[str, tuple[MeshPlacement, ...]]  # per agent, its instances
+  pool: tuple[MeshPlacement, ...] = ()  # the training pool's meshes (train devices: ())
 
   def to_dict(self) -> dict:
     mesh = lambda m: {'devices': list(m.devices), 'shape': list(m.shape)}
     return {'mode': self.mode, 'train': {a: mesh(m) for a, m in self.train.items()},
-            'rollout': {a: [mesh(m) for m in ms] for a, ms in self.rollout.items()}}
+            'rollout': {a: [mesh(m) for m in ms] for a, ms in self.rollout.items()},
+            'pool': [mesh(m) for m in self.pool]}
 
   @classmethod
   def from_dict(cls, d: Mapping) -> Placement:
     mesh = lambda m: MeshPlacement(tuple(m['devices']), tuple(m['shape']))
     return cls(d['mode'], {a: mesh(m) for a, m in d['train'].items()},
-               {a: tuple(mesh(m) for m in ms) for a, ms in d['rollout'].items()})
+               {a: tuple(mesh(m) for m in ms) for a, ms in d['rollout'].items()},
+               tuple(mesh(m) for m in d.get('pool', ())))
 
   def describe(self) -> str:
     lines = [f'placement ({self.mode} rollout devices):']
+    if self.pool:
+      lines.append('  training pool: ' + ', '.join(f'{list(m.devices)} mesh {m.shape}'
+                                                   for m in self.pool))
     for agent, m in self.train.items():
       inst = ', '.join(str(list(i.devices)) for i in self.rollout[agent])
-      lines.append(f'  {agent:<12} train {list(m.devices)} mesh {m.shape}  rollout {inst}')
+      train = list(m.devices) if m.devices else 'pool'
+      lines.append(f'  {agent:<12} train {train} mesh {m.shape}  rollout {inst}')
     return '\n'.join(lines)
 
 
@@ -68,11 +83,41 @@ def _size(shape: Sequence[int]) -> int:
   return math.prod(shape)
 
 
-def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
-           ) -> Placement:
-  """The placement the config asks for; raises ConfigError on any conflict."""
+def pool_shapes(agent_shapes: Sequence[tuple[int, ...]], pool_devices: int
+                ) -> list[tuple[int, ...]]:
+  """The pool's mesh shapes when the config does not list them: one mesh of each
+  distinct agent shape (in config order), then more, round-robin, while devices remain
+  and a shape has more agents than meshes."""
+  distinct = list(dict.fromkeys(agent_shapes))
+  need = sum(map(_size, distinct))
+  if need > pool_devices:
+    raise ConfigError(
+        f'config.training.pool_devices={pool_devices}: one mesh of each agent shape '
+        f'{distinct} needs {need} devices; give the pool at least {need}, or use fewer '
+        'distinct mesh shapes.')
+  shapes, left, grew = list(distinct), pool_devices - need, True
+  while grew:
+    grew = False
+    for shape in distinct:
+      if _size(shape) <= left and shapes.count(shape) < agent_shapes.count(shape):
+        shapes.append(shape)
+        left -= _size(shape)
+        grew = True
+  return sorted(shapes, key=distinct.index)
+
+
+def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
+           pool_devices: int = 0, mesh_shapes: Sequence[tuple[int, ...]] = ()) -> Placement:
+  """The placement the config asks for; raises ConfigError on any conflict.
+  `pool_devices` > 0: a training pool of meshes `mesh_shapes` (() derives them)."""
   if mode not in MODES:
     raise ConfigError(f'config.rollout.devices={mode!r}: choose one of {list(MODES)}.')
+  if pool_devices:
+    for name, a in demands.items():
+      if a.train_devices:
+        raise ConfigError(f'config.agents.{name}.train_devices={list(a.train_devices)}: with '
+                          'a training pool agents train on its meshes; remove it, or set '
+                          'training.pool_devices=0.')
   known = set(device_ids)
   explicit = [d for a in demands.values() for d in a.train_devices] + [
       d for a in demands.values() for devs in a.instance_devices for d in devs]
@@ -101,13 +146,35 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
                         f'of shape {tuple(shape)}; give {_size(shape)}.')
     return tuple(devices)
 
+  pool: list[MeshPlacement] = []
+  if pool_devices:
+    shapes = [tuple(s) for s in mesh_shapes] or pool_shapes(
+        [tuple(a.mesh_shape) for a in demands.values()], pool_devices)
+    if sum(map(_size, shapes)) > pool_devices:
+      raise ConfigError(f'config.training.mesh_shapes={shapes}: they need '
+                        f'{sum(map(_size, shapes))} devices, the pool has {pool_devices}; '
+                        'list fewer or smaller meshes, or give the pool more devices.')
+    for name, a in demands.items():
+      if tuple(a.mesh_shape) not in shapes:
+        raise ConfigError(f'config.agents.{name}.mesh_shape={tuple(a.mesh_shape)}: no mesh of '
+                          f'training.mesh_shapes={shapes} has this shape; add one.')
+    devices = take('training.pool_devices', pool_devices)
+    start = 0
+    for shape in shapes:
+      pool.append(MeshPlacement(devices[start:start + _size(shape)], shape))
+      start += _size(shape)
   train: dict[str, MeshPlacement] = {}
   for name, a in demands.items():
+    if pool:
+      train[name] = MeshPlacement((), tuple(a.mesh_shape))
+      continue
     field = f'agents.{name}.train_devices'
     devs = (given(field, a.train_devices, a.mesh_shape) if a.train_devices
             else take(f'agents.{name}.mesh_shape', _size(a.mesh_shape)))
     train[name] = MeshPlacement(devs, tuple(a.mesh_shape))
   rollout: dict[str, tuple[MeshPlacement, ...]] = {}
+  rank = {n: [m for m in demands if demands[m].mesh_shape == a.mesh_shape].index(n)
+          for n, a in demands.items()}  # the agent's index among agents of its shape
   for name, a in demands.items():
     field = f'agents.{name}.rollout'
     if a.instances < 1:
@@ -122,11 +189,14 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
         devs = given(f'{field}.devices[{i}]', a.instance_devices[i], a.mesh_shape)
       elif mode == 'separate':
         devs = take(f'{field}.instances', _size(a.mesh_shape))
+      elif pool:
+        same = [m for m in pool if m.shape == tuple(a.mesh_shape)]
+        devs = same[(rank[name] + i) % len(same)].devices
       else:
         devs = train[name].devices
       insts.append(MeshPlacement(devs, tuple(a.mesh_shape)))
     rollout[name] = tuple(insts)
-  placement = Placement(mode, train, rollout)
+  placement = Placement(mode, train, rollout, tuple(pool))
   check(placement)
   return placement
 
@@ -145,6 +215,9 @@ def check(p: Placement) -> None:
   for name, m in p.train.items():
     claim(m.devices, f'agents.{name}.train_devices',
           'each agent trains on devices of its own: pick other devices.')
+  for i, m in enumerate(p.pool):
+    claim(m.devices, f'training.pool[{i}]', 'the pool takes the first free devices: pick '
+          'explicit devices elsewhere, or shrink training.pool_devices.')
   if p.mode == 'separate':
     for name, insts in p.rollout.items():
       for i, m in enumerate(insts):

@@ -2,7 +2,10 @@
 
 `build_team` turns a checked TeamSpec and a Placement into agents: each trainer on its
 mesh, each rollout instance a sampler on its own devices (or on the training devices
-with `rollout.devices=shared`), weights copied there in the trainer's layout.
+with `rollout.devices=shared`), weights copied there in the trainer's layout. With a
+training pool (`placement.pool`) trainers start with their state in host memory and
+one `TrainingEngine` binds them to the pool's meshes as they get work; the trainers
+of a team share one `StepCache` either way.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.step import StepCache
 from flexmarl.train.trainer import AgentTrainer, TrainBatch
 
 
@@ -64,13 +69,16 @@ class Agent:
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
                checkpointer: AgentCheckpointer, *, prompt_len: int, pad_id: int,
                clock: Clock | None = None, recorder: spans.SpanRecorder | None = None,
-               timeline: Timeline | None = None):
+               timeline: Timeline | None = None, engine: TrainingEngine | None = None):
     """`clock` times the steps (`train_s`); `recorder` gets weight-sync spans and
-    `timeline` the spans of the training devices (a simulated team records its own)."""
+    `timeline` the spans of the training devices (a simulated team records its own).
+    `engine`: the training pool's, which binds the trainer to a mesh for each piece of
+    work; None: the trainer stays on its own mesh."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
-    self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.prompt_len, self.pad_id, self.engine = prompt_len, pad_id, engine
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
+    self._stepped = None  # params of the last optimizer step, until published
 
   @property
   def name(self) -> str:
@@ -81,16 +89,31 @@ class Agent:
     return self.trainer.version
 
   def publish(self) -> None:
-    """Send the trainer's current weights to every rollout instance of the agent."""
+    """Send the trainer's current weights to every rollout instance of the agent: those
+    of its last step, taken before its state could be swapped out."""
+    params = self.trainer.params if self._stepped is None else self._stepped
+    self._stepped = None
     start = self.clock.now()
-    self.pool.publish(self.trainer.params, self.trainer.version)
+    self.pool.publish(params, self.trainer.version)
     end = self.clock.now()
     if self.recorder is None:
       return
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(self.trainer.params))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     for inst in self.pool.instances:
       self.recorder.add(f'rollout:{inst.name}', spans.WEIGHT_SYNC, start, end, agent=self.name,
                         version=self.version, bytes=nbytes)
+
+  def _train(self, work: Callable[[], None]) -> None:
+    """Run `work` on the trainer: at once, or through the pool's engine."""
+    if self.engine is None:
+      work()
+    else:
+      self.engine.submit(self.name, work)
+      self.engine.run()
+
+  def swap_stats(self) -> dict:
+    """Where the agent trained since the last call and its swap costs ({} without a pool)."""
+    return {} if self.engine is None else self.engine.step_stats(self.name)
 
   def accumulate(self, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
@@ -102,10 +125,13 @@ class Agent:
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple)
-    stats = self.trainer.accumulate(batch)
-    if self.timeline is not None:
-      self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=self.version,
-                        tokens=batch.tokens)
+
+    def work() -> None:
+      stats = self.trainer.accumulate(batch)
+      if self.timeline is not None:
+        self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=self.version,
+                          tokens=batch.tokens)
+    self._train(work)
 
   def start_step(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
                  ) -> Callable[[], dict[str, float]]:
@@ -119,10 +145,16 @@ class Agent:
     for micro in micro_batches:
       self.accumulate(micro)
     version = self.version
-    result = self.trainer.dispatch_apply()
-    if self.timeline is not None:
-      self.timeline.add(spans.OPTIMIZER_STEP, self.trainer.params, agent=self.name,
-                        version=version)
+    dispatched = []
+
+    def step() -> None:
+      dispatched.append(self.trainer.dispatch_apply())
+      self._stepped = self.trainer.params
+      if self.timeline is not None:
+        self.timeline.add(spans.OPTIMIZER_STEP, self.trainer.params, agent=self.name,
+                          version=version)
+    self._train(step)
+    result, = dispatched
 
     def finish() -> dict[str, float]:
       return dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
@@ -133,6 +165,8 @@ class Agent:
     self.checkpointer.wait()
     if self.timeline is not None:
       self.timeline.close()
+    if self.engine is not None:
+      self.engine.close()
     for inst in self.pool.instances:
       inst.sampler.close()
 
@@ -159,9 +193,9 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
 
   def make(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
     # On the trainer's own devices the published arrays are served as they are.
-    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], a.mesh_shape)
+    mesh = sharding.make_mesh([devices_by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
     layout = (None if tuple(devices) == tuple(train_devices)
-              else sharding.same_layout(trainer.shardings, mesh))
+              else trainer.shardings_on(mesh))
     return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=spec.max_prompt_len,
                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                            batch_multiple=trainer.batch_multiple, version=version,
@@ -174,16 +208,29 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
                ) -> dict[str, Agent]:
   """Every agent of `spec` on the devices `placement` gives it."""
   by_id = {d.id: d for d in devices}
-  agents, compiled = {}, {}
+  steps, trainers, compiled = StepCache(), {}, {}
   for i, (name, a) in enumerate(spec.agents.items()):
     train = placement.train[name]
-    mesh = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape)
     init = None
-    if a.checkpoint:  # read tensor by tensor straight onto the mesh
-      init = hf.load_params(a.checkpoint, a.model,
-                            sharding.param_shardings(hf.abstract_params(a.model)[1], mesh))
-    trainer = AgentTrainer(name, a.model, a.optimizer, a.grpo, mesh, seed=spec.seed * 1000 + i,
-                           init_params=init)
+    if placement.pool:
+      where = a.layout
+    else:
+      where = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape, a.mesh_axes)
+      if a.checkpoint:  # read tensor by tensor straight onto the mesh
+        init = hf.load_params(a.checkpoint, a.model,
+                              sharding.param_shardings(hf.abstract_params(a.model)[1], where))
+    trainers[name] = AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
+                                  seed=spec.seed * 1000 + i, steps=steps, init_params=init)
+  engine = None
+  if placement.pool:
+    engine = TrainingEngine(
+        trainers, [(f'pool{i}', [by_id[d] for d in m.devices], m.shape)
+                   for i, m in enumerate(placement.pool)],
+        spec.training.host_budget_bytes,
+        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder)
+  agents = {}
+  for name, a in spec.agents.items():
+    train, trainer = placement.train[name], trainers[name]
     make = _sampler_factory(a, trainer, train.devices, by_id, spec, tokenizer,
                             os.path.join(workdir, 'vllm', name), compiled)
     instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
@@ -193,5 +240,5 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
     agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
                          prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id,
                          clock=recorder.clock, recorder=recorder,
-                         timeline=Timeline(recorder, f'train:{name}'))
+                         timeline=Timeline(recorder, f'train:{name}'), engine=engine)
   return agents

@@ -11,10 +11,17 @@ bytes: one `jax.device_put` of the arrays to the same target shardings (pinned h
 for host), and for storage a raw `ndarray.tofile` / `np.fromfile` of each array. Reports
 the best of `repeats` for each, as MB/s and as the ratio move / baseline (1.0: no overhead;
 storage reads come from the page cache). The last line is JSON.
+
+End to end (`--end_to_end_steps=N`, instead of the above): the default experiment
+(`experiments/hierarchical_assistant.py`, 4 agents) with each agent on a mesh of its own,
+then with a training pool of half as many meshes (`training.pool_devices=2`); reports the
+mean step time of steps 2..N of each, their ratio, and the fraction of the pool run's
+swap time (`swap_s`, the copies) that did not block the schedule (`swap_wait_s`).
 """
 
 import json
 import os
+import statistics
 import shutil
 import tempfile
 import time
@@ -32,6 +39,8 @@ _SIZES = flags.DEFINE_list('sizes_mb', ['10', '100'], 'State sizes in MB (1e6 by
                            'add 1000,2000 for the large states (minutes on 2 cores).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats per path; the best is kept.')
 _DIR = flags.DEFINE_string('dir', None, 'Storage folder (default: a temporary folder).')
+_END_TO_END = flags.DEFINE_integer('end_to_end_steps', 0, 'Run the end-to-end comparison '
+                                   'for this many steps instead (0: the swap paths).')
 _CHUNK = 64 * 2**20
 
 
@@ -114,8 +123,38 @@ def _bench(nbytes: int, root: str, repeats: int) -> dict:
   return out
 
 
+def _end_to_end(steps: int, root: str) -> dict:
+  from experiments import hierarchical_assistant
+  from flexmarl.config import training_config
+  from flexmarl.main import train
+  from flexmarl.metrics.writer import read_metrics
+
+  out = {}
+  for name, pool_devices in (('own meshes', 0), ('pool of 2 meshes', 2)):
+    config = hierarchical_assistant.get_config('runlocal')
+    config.steps, config.checkpoint_every = steps, steps
+    config.training = training_config(pool_devices=pool_devices)
+    workdir = os.path.join(root, name.replace(' ', '_'))
+    train(config, workdir, log=lambda *_: None)
+    lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+    team = [l['step_time_s'] for l in lines if l['agent'] == 'team' and l['step'] > 1]
+    agents = [l for l in lines if l['agent'] != 'team']
+    swap_s = sum(l.get('swap_s', 0.0) for l in agents)
+    wait_s = sum(l.get('swap_wait_s', 0.0) for l in agents)
+    out[name] = dict(step_s=statistics.mean(team), swaps=sum(l.get('swaps', 0) for l in agents),
+                     swap_s=swap_s, swap_wait_s=wait_s,
+                     hidden=1 - wait_s / swap_s if swap_s else None)
+    print(name, out[name])
+  out['ratio'] = out['pool of 2 meshes']['step_s'] / out['own meshes']['step_s']
+  return out
+
+
 def main(argv):
   del argv
+  if _END_TO_END.value:
+    with tempfile.TemporaryDirectory() as tmp:
+      print(json.dumps(_end_to_end(_END_TO_END.value, _DIR.value or tmp)))
+    return
   memories = {m.kind for m in jax.devices()[0].addressable_memories()}
   print(f'{jax.devices()[0].platform}, host memory for OnHost: '
         f"{'pinned_host' if 'pinned_host' in memories else 'numpy'}")

@@ -28,6 +28,7 @@ class FreeMesh:
   name: str
   layout: Hashable
   resident: str | None = None  # an agent whose released state still sits on it
+  idle_since: float = 0.0  # when its resident last worked there
 
 
 def allocate(waiting: Sequence[Waiting], free: Sequence[FreeMesh]) -> dict[str, str]:
@@ -38,7 +39,8 @@ def allocate(waiting: Sequence[Waiting], free: Sequence[FreeMesh]) -> dict[str, 
   remains. Then where: each served agent keeps the mesh its state is on (no move);
   the others take, in queue order, a free mesh of their layout, preferring one that
   holds no state, then one holding the state of an agent that is not waiting (so a
-  waiting agent's state stays put for its next turn). One agent per mesh.
+  waiting agent's state stays put for its next turn), the one idle longest first. One
+  agent per mesh.
   """
   queue = sorted((w for w in waiting if w.ready > 0), key=lambda w: (w.since, -w.ready, w.agent))
   if len({w.agent for w in queue}) != len(queue):
@@ -63,7 +65,7 @@ def allocate(waiting: Sequence[Waiting], free: Sequence[FreeMesh]) -> dict[str, 
     taken = set(bindings.values())
     options = [m for m in free if m.layout == w.layout and m.name not in taken]
     best = min(options, key=lambda m: (m.resident is not None, m.resident in waiting_agents,
-                                       order[m.name]))
+                                       m.idle_since, order[m.name]))
     bindings[w.agent] = best.name
   return bindings
 

@@ -55,13 +55,14 @@ def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
 
 
 def check_host_budget(budget_bytes: int, state_bytes: Mapping[str, int],
-                      field: str = 'training.host_budget_bytes') -> None:
-  """Host memory must hold at least the largest agent state (the one being swapped)."""
+                      field: str = 'training.host_budget_bytes', unit: float = 1) -> None:
+  """Host memory must hold at least the largest agent state (the one being swapped).
+  `unit`: bytes per unit of the config field (1e9 for a field in GB)."""
   if not state_bytes:
     return
   name, largest = max(state_bytes.items(), key=lambda kv: kv[1])
   if budget_bytes < largest:
     raise ConfigError(
-        f'config.{field}={budget_bytes}: agent {name!r} alone has a state of {largest} bytes '
-        f'({largest / 2**20:.1f} MiB); raise the budget to at least {largest}, or leave it '
-        'unset for no limit.')
+        f'config.{field}={budget_bytes / unit:.10g}: agent {name!r} alone has a state of '
+        f'{largest} bytes ({largest / 2**20:.1f} MiB); raise the budget to at least '
+        f'{largest / unit:.10g}, or leave it unset for no limit.')

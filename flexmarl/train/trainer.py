@@ -210,6 +210,10 @@ class AgentTrainer:
                          f'{state_lib.kind(self.state.placement)}): call bind(mesh) first.')
     return self.state.placement
 
+  def shardings_on(self, mesh: Mesh):
+    """Where the params would live on `mesh` (any mesh of this layout, bound or not)."""
+    return self._steps.shardings(mesh)['params']
+
   def _target(self, mesh: Mesh) -> OnMesh:
     return OnMesh(mesh, self._steps.shardings(mesh))
 
@@ -235,8 +239,8 @@ class AgentTrainer:
     return transfer
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
-    """Move the state off its mesh, leaving the mesh free for another agent."""
-    self._bound()
+    """Move the state off its mesh, leaving the mesh free for another agent (or, not
+    bound, from host memory to storage)."""
     self._stats = jax.device_get(self._stats)
     self.state, transfer = state_lib.move(self.state, to)
     self.mesh = None

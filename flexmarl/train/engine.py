@@ -1,0 +1,190 @@
+"""TrainingEngine: agents take turns on the training pool's meshes.
+
+An agent holds a mesh only while it has work. The schedule hands the engine work
+(`submit`: a micro-batch's gradient, an optimizer step) and `run` carries it out: an
+agent bound to a mesh runs its work there at once (dispatched, not awaited); the
+others wait, and `train.allocator.allocate` (a pure policy) picks which of them gets
+which mesh. A mesh whose agent has no work left is free: its state stays there until
+another agent needs the mesh (so an agent that comes back finds it in place), and is
+then released to host memory, and from there to storage, least recently used first,
+when `host_budget` bytes would be exceeded (`train.allocator.evict_lru`). While one
+agent computes, the next waiting one's state is prefetched onto the mesh it will get.
+
+Bindings, swaps and their costs are recorded per agent (`step_stats`) and as spans on
+`recorder` (a `metrics.spans.SpanRecorder`; None records none).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from flexmarl.metrics import spans
+from flexmarl.models import sharding
+from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
+from flexmarl.train.state import InStorage, OnHost, Transfer
+from flexmarl.train.trainer import AgentTrainer
+
+PoolMesh = tuple[str, Sequence[jax.Device], tuple[int, ...]]  # name, devices, shape
+
+
+class TrainingEngine:
+
+  def __init__(self, trainers: Mapping[str, AgentTrainer], meshes: Sequence[PoolMesh],
+               host_budget: int = 0, storage_dir: str = '', recorder=None):
+    """`host_budget`: bytes of host memory for released states (0: unlimited);
+    beyond it states go to `storage_dir/AGENT`."""
+    self.trainers = dict(trainers)
+    self.meshes = {name: (tuple(devices), tuple(shape)) for name, devices, shape in meshes}
+    self.host_budget, self.storage_dir, self.recorder = host_budget, storage_dir, recorder
+    self.bound: dict[str, str | None] = {m: None for m in self.meshes}  # mesh -> agent
+    self.where: dict[str, str | None] = {a: None for a in self.trainers}  # agent -> mesh
+    self.queues = {a: collections.deque() for a in self.trainers}
+    self.since = {a: 0 for a in self.trainers}
+    self.last_used = {a: 0 for a in self.trainers}
+    self.log: list[dict] = []  # every swap: agent, mesh, direction, bytes, seconds
+    self._stats = {a: self._empty() for a in self.trainers}
+    self._tick = 0
+    self._mesh_cache: dict[tuple[str, tuple[str, ...]], Mesh] = {}
+    self._lock = threading.RLock()
+    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='prefetch')
+
+  @staticmethod
+  def _empty() -> dict:
+    return dict(meshes=[], swaps=0, swap_bytes=0, swap_s=0.0, swap_wait_s=0.0)
+
+  def _next_tick(self) -> int:
+    self._tick += 1
+    return self._tick
+
+  def mesh(self, name: str, layout: sharding.MeshLayout) -> Mesh:
+    """Pool mesh `name` with `layout`'s axis names (agents of one shape may name their
+    axes differently; the devices are the same)."""
+    key = (name, layout.axes)
+    if key not in self._mesh_cache:
+      devices, shape = self.meshes[name]
+      self._mesh_cache[key] = sharding.make_mesh(devices, shape, layout.axes)
+    return self._mesh_cache[key]
+
+  # -- work -----------------------------------------------------------------------------
+
+  def submit(self, agent: str, work: Callable[[], None]) -> None:
+    """Queue `work` (it calls the agent's trainer) to run once the agent is bound."""
+    with self._lock:
+      if not self.queues[agent]:
+        self.since[agent] = self._next_tick()
+      self.queues[agent].append(work)
+
+  def run(self) -> None:
+    """Carry out every queued piece of work, binding and swapping as needed. Returns
+    once all of it is dispatched (the devices may still be computing)."""
+    with self._lock:
+      while True:
+        for agent, mesh in self.where.items():
+          if mesh is not None and self.queues[agent]:
+            self._run_queue(agent)
+        waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a], self.where[a])
+                   for a, q in self.queues.items() if q]
+        if not waiting:
+          return
+        free = [FreeMesh(m, shape, a, self.last_used[a] if a else 0)
+                for m, (_, shape) in self.meshes.items() for a in [self.bound[m]]]
+        bindings = allocate(waiting, free)
+        if not bindings:
+          shapes = sorted({w.layout for w in waiting})
+          raise RuntimeError(f'no mesh of the training pool has the shapes {shapes} of '
+                             f'{[w.agent for w in waiting]}; config checks should prevent this.')
+        for agent, mesh in bindings.items():
+          self._bind(agent, mesh)
+        self._prefetch([w for w in sorted(waiting, key=lambda w: (w.since, w.agent))
+                        if w.agent not in bindings], bindings)
+
+  def _run_queue(self, agent: str) -> None:
+    queue = self.queues[agent]
+    while queue:
+      queue.popleft()()
+    self.last_used[agent] = self._next_tick()
+    meshes = self._stats[agent]['meshes']
+    if not meshes or meshes[-1] != self.where[agent]:
+      meshes.append(self.where[agent])
+
+  # -- moves ----------------------------------------------------------------------------
+
+  def _bind(self, agent: str, mesh: str) -> None:
+    resident = self.bound[mesh]
+    if resident == agent:
+      return
+    if resident is not None:
+      self._release(resident)
+    trainer = self.trainers[agent]
+    start = time.perf_counter()
+    transfer = trainer.bind(self.mesh(mesh, trainer.layout))
+    self._record(agent, mesh, spans.SWAP_IN, transfer, time.perf_counter() - start)
+    self.bound[mesh], self.where[agent] = agent, mesh
+
+  def _release(self, agent: str) -> None:
+    mesh, trainer = self.where[agent], self.trainers[agent]
+    start = time.perf_counter()
+    transfer = trainer.release(OnHost())
+    self._record(agent, mesh, spans.SWAP_OUT, transfer, time.perf_counter() - start)
+    self.bound[mesh], self.where[agent] = None, None
+    if not self.host_budget:
+      return
+    on_host = {a: t.state.nbytes for a, t in self.trainers.items()
+               if isinstance(t.state.placement, OnHost)}
+    keep = {a for a, q in self.queues.items() if q}
+    for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
+      start = time.perf_counter()
+      transfer = self.trainers[evicted].release(
+          InStorage(os.path.join(self.storage_dir, evicted)))
+      self._record(evicted, 'host', spans.SWAP_OUT, transfer, time.perf_counter() - start)
+
+  def _prefetch(self, unserved: Sequence[Waiting], bindings: Mapping[str, str]) -> None:
+    """Start moving the next waiting agents onto the meshes just taken (one each):
+    the copy overlaps with the work those meshes now run."""
+    meshes = list(bindings.values())
+    for w in unserved:
+      mesh = next((m for m in meshes if self.meshes[m][1] == w.layout), None)
+      if mesh is None:
+        continue
+      meshes.remove(mesh)
+      trainer = self.trainers[w.agent]
+      trainer.prefetch(self.mesh(mesh, trainer.layout), self._executor)
+
+  def _record(self, agent: str, mesh: str, name: str, transfer: Transfer, wait_s: float
+              ) -> None:
+    """Account one swap: `transfer.seconds` the copy took (on a prefetch thread, maybe),
+    `wait_s` the caller was blocked by it."""
+    if not transfer.bytes:
+      return
+    stats = self._stats[agent]
+    stats['swaps'] += 1
+    stats['swap_bytes'] += transfer.bytes
+    stats['swap_s'] += transfer.seconds
+    stats['swap_wait_s'] += wait_s
+    self.log.append(dict(agent=agent, mesh=mesh, name=name, source=transfer.source,
+                         target=transfer.target, bytes=transfer.bytes, seconds=transfer.seconds,
+                         wait_s=wait_s))
+    if self.recorder is not None:
+      end = self.recorder.clock.now()
+      self.recorder.add(f'train:{mesh}', name, end - wait_s, end, agent=agent,
+                        bytes=transfer.bytes, source=transfer.source, target=transfer.target)
+
+  # -- reporting ------------------------------------------------------------------------
+
+  def step_stats(self, agent: str) -> dict:
+    """Where the agent ran since the last call (mesh names in order, comma-separated)
+    and what its swaps cost; resets the counts."""
+    with self._lock:
+      stats, self._stats[agent] = self._stats[agent], self._empty()
+    return dict(stats, meshes=','.join(stats['meshes']))
+
+  def close(self) -> None:
+    self._executor.shutdown(wait=True)

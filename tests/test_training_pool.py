@@ -1,0 +1,119 @@
+"""Four agents take turns on a training pool of two meshes (under `sync`, an agent that
+skips a step shifts who lands where, so each runs on both); states go through host
+memory and storage (a host budget of one state), checkpoints are taken while some are
+swapped out, and the parameters equal those of a run where every agent keeps a mesh of
+its own. Bad pool configs fail before anything compiles."""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import hierarchical_assistant
+from flexmarl.config import ConfigError, build_team_spec, training_config
+from flexmarl.main import train
+from flexmarl.metrics.writer import read_metrics
+from flexmarl.tokenizer import load_tokenizer
+from flexmarl.train import pool
+from flexmarl.workflows import build_workflow
+
+STEPS = 3
+AGENTS = ('router', 'reverser', 'sorter', 'adder')
+
+
+def _config(pool_devices=0, host_budget_gb=0.0):
+  c = hierarchical_assistant.get_config('runlocal')
+  c.steps, c.checkpoint_every, c.schedule = STEPS, 1, 'sync'
+  c.rollout.devices, c.rollout.query_concurrency, c.rollout.max_step_queries = 'shared', 8, 8
+  for name in AGENTS:
+    a = c.agents[name]
+    a.mesh_shape, a.mesh_axes = (2,), ('fsdp',)
+    a.global_batch, a.micro_batch = 2 * a.group_size, a.group_size  # 2 micro-batches
+    a.sampling.max_new_tokens = 2  # one sampler and train width for all: fewer compiles
+  c.training = training_config(pool_devices=pool_devices, host_budget_gb=host_budget_gb)
+  return c
+
+
+def _state_gb(c):
+  spec = _spec(c)
+  return max(pool.state_nbytes(a.model, a.optimizer, a.grpo) for a in spec.agents.values()) / 1e9
+
+
+def _spec(c):
+  return build_team_spec(c, load_tokenizer(c.tokenizer).vocab_size, [d.id for d in jax.devices()],
+                         build_workflow(c.workflow).agent_names())
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  out = {}
+  own = _config()
+  shared = _config(pool_devices=4)
+  shared.training.host_budget_gb = _state_gb(shared) * 1.5  # one state on host at a time
+  for key, config in (('own', own), ('pool', shared)):
+    workdir = str(tmp_path_factory.mktemp(key))
+    train(config, workdir, log=lambda *_: None)
+    out[key] = workdir
+  return out
+
+
+def _params(workdir, agent, step=STEPS):
+  path = os.path.abspath(os.path.join(workdir, 'checkpoints', agent, str(step), 'state'))
+  return [np.asarray(x) for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(path)['params'])]
+
+
+def _lines(workdir):
+  return [l for l in read_metrics(os.path.join(workdir, 'metrics.jsonl')) if l['agent'] != 'team']
+
+
+def test_pool_run_equals_agents_on_their_own_meshes(runs):
+  for agent in AGENTS:
+    for step in (STEPS - 1, STEPS):
+      for x, y in zip(_params(runs['own'], agent, step), _params(runs['pool'], agent, step),
+                      strict=True):
+        assert np.abs(x - y).max() <= 1e-6, (agent, step, np.abs(x - y).max())
+  for a, b in zip(_lines(runs['own']), _lines(runs['pool']), strict=True):
+    for key in ('reward_mean', 'loss', 'grad_norm', 'tokens', 'policy_version'):
+      if key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
+
+
+def test_every_agent_ran_on_both_meshes_and_swaps_were_counted(runs):
+  lines = _lines(runs['pool'])
+  for agent in AGENTS:
+    mine = [l for l in lines if l['agent'] == agent]
+    used = {m for l in mine for m in l['meshes'].split(',') if m}
+    assert used == {'pool0', 'pool1'}, (agent, [l['meshes'] for l in mine])
+    assert sum(l['swaps'] for l in mine) >= 2 and sum(l['swap_bytes'] for l in mine) > 0
+  assert all('meshes' not in l for l in _lines(runs['own']))
+  assert os.listdir(os.path.join(runs['pool'], 'swap'))  # the host budget sent states to storage
+
+
+def test_bad_pool_configs_name_the_field_and_the_fix():
+  c = _config(pool_devices=1)
+  with pytest.raises(ConfigError, match=r'agents\.\w+\.mesh_shape=\(2,\).*pool has 1'):
+    _spec(c)
+  c = _config(pool_devices=4, host_budget_gb=1e-6)
+  with pytest.raises(ConfigError, match=r'training\.host_budget_gb=1e-06: agent .* at least'):
+    _spec(c)
+  c = _config(pool_devices=16)
+  with pytest.raises(ConfigError, match=r'training\.pool_devices: no 16 free devices'):
+    _spec(c)
+  c = _config(pool_devices=4)
+  c.training.mesh_shapes = [(2, 2)]
+  with pytest.raises(ConfigError, match=r'agents\.\w+\.mesh_shape=\(2,\): no mesh of '
+                     r'training\.mesh_shapes'):
+    _spec(c)
+  c = _config(pool_devices=4)
+  c.agents.adder.train_devices = (6, 7)
+  with pytest.raises(ConfigError, match=r'agents\.adder\.train_devices.*remove it'):
+    _spec(c)
+  c = _config(pool_devices=4)
+  c.rollout.devices = 'separate'  # 4 pool devices + 4 instances of 2 devices > 8
+  with pytest.raises(ConfigError, match=r'rollout\.instances: no 2 free devices'):
+    _spec(c)
+  p = _spec(_config(pool_devices=4)).placement
+  assert [m.devices for m in p.pool] == [(0, 1), (2, 3)]
+  assert [m[0].devices for m in p.rollout.values()] == [(0, 1), (2, 3), (0, 1), (2, 3)]
