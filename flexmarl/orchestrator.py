@@ -243,7 +243,7 @@ class JointOrchestrator:
             writer.write(self.step, agent, values)
             if agent != TEAM and values.get('updated'):
               warning = stalls.update(agent, self.step, values['zero_spread'],
-                                      values.get('entropy', math.nan))
+                                      values.get('entropy', math.nan), values['accuracy'])
               if warning:
                 log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:

@@ -22,10 +22,13 @@ class StallWatch:
     self.threshold, self.patience = threshold, patience
     self._run: dict[str, int] = {}
 
-  def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan
-             ) -> str | None:
-    """Record one update's fraction; returns a warning line when the agent has stalled."""
-    if math.isnan(zero_spread) or zero_spread <= self.threshold:
+  def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan,
+             accuracy: float = math.nan) -> str | None:
+    """Record one update's fraction; returns a warning line when the agent has stalled.
+    An agent that is always right (`accuracy` 1) has equal rewards too, but has not
+    stalled: it has solved its task."""
+    solved = not math.isnan(accuracy) and accuracy >= 1.0
+    if math.isnan(zero_spread) or zero_spread <= self.threshold or solved:
       self._run[agent] = 0
       return None
     self._run[agent] = self._run.get(agent, 0) + 1
