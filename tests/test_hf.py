@@ -243,7 +243,7 @@ def test_example_checkpoint_builds_the_pretrained_experiment(tmp_path):
   folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
   config = pretrained_vllm.get_config(folder)
   tok = load_tokenizer(config.tokenizer)
-  spec = config_lib.build_team_spec(config, tok.vocab_size, 8, ['solver', 'verifier'])
+  spec = config_lib.build_team_spec(config, tok.vocab_size, list(range(8)), ['solver', 'verifier'])
   for agent in spec.agents.values():
     assert agent.checkpoint == folder and agent.model == hf.model_config_from_hf(folder)
   assert config.rollout.backend == 'vllm'

@@ -111,7 +111,7 @@ def test_first_step_ratio_is_one_at_temperature_07():
       rollout=dict(query_concurrency=1, max_step_queries=1),
       agents=dict(solver=agent_config(sampling=dict(temperature=0.7, top_p=1.0,
                                                     max_new_tokens=4)))))
-  spec = build_team_spec(c, VOCAB, 8, ['solver'])
+  spec = build_team_spec(c, VOCAB, list(range(8)), ['solver'])
   assert spec.agents['solver'].grpo.temperature == 0.7
   t = _trainer(spec.agents['solver'].grpo)
   sampler = EmbeddedSampler(t.graphdef, t.params, max_prompt_len=6, eos_id=2, pad_id=0)
