@@ -1,6 +1,8 @@
 """The simulator runs the real orchestrator and schedules in simulated time: a case worked
 out on paper gives the step time computed by hand, for every schedule."""
 
+import json
+
 import ml_collections
 import pytest
 
@@ -50,3 +52,25 @@ def test_step_time_is_the_one_computed_by_hand(variant):
 def test_unknown_schedule_is_refused():
   with pytest.raises(ValueError, match='unknown schedule'):
     simulate(_setup(), 'fastest')
+
+
+def test_one_shared_core_serializes_every_schedule():
+  # All device work on one core: no overlap is left, every schedule takes the whole
+  # work of the step, 6 s of rollout + 2.9 s + 6.9 s of training.
+  setup = _setup()
+  setup.shared_cores = 1
+  for variant in ('sync', 'sync_parallel', 'flexmarl'):
+    assert simulate(setup, variant).step_times == [pytest.approx(15.8)]
+
+
+def test_this_machine_setup_simulates(tmp_path):
+  from experiments.sim import this_machine
+  rates = dict.fromkeys(this_machine.RATE_KEYS, 1e-3)
+  (tmp_path / 'rates.json').write_text(json.dumps(dict(rates, contention=0.9)))
+  setup = this_machine.get_config(f'json={tmp_path}/rates.json:mix=0.2,0.2,0.6')
+  setup.steps = 3
+  r = simulate(setup, 'flexmarl')
+  # Each step ends once every batch is full or 96 queries were used.
+  assert len(r.step_times) == 3 and 0 < r.queries <= 96
+  with pytest.raises(ValueError, match='unknown keys'):
+    this_machine.get_config('zipf=2')

@@ -46,11 +46,14 @@ SWAP_BYTES_PER_S = QWEN25_32B.params * TRAIN_STATE_BYTES_PER_PARAM / PAPER_SWAP_
 @dataclasses.dataclass(frozen=True)
 class DecodeRates:
   """An inference instance's speed: seconds per decode step (weights read once), extra
-  seconds per running sequence per step, seconds per prompt token of prefill."""
+  seconds per running sequence per step, seconds per prompt token of prefill, and
+  seconds per generate call whatever its size (launch, padded prefill, fetching the
+  result: negligible for large models, most of the cost for tiny ones)."""
 
   step_s: float
   token_s: float
   prefill_token_s: float
+  call_s: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -90,10 +93,11 @@ def rates_from_throughput(tokens_per_s_1: float, tokens_per_s_b: float, b: int,
 
 
 def generation_time(lengths: Sequence[int], prompt_tokens: int, rates: DecodeRates) -> float:
-  """Seconds for one instance to serve a batch: prefill, then decode until the longest ends."""
+  """Seconds for one instance to serve a batch: the call, prefill, then decode until the
+  longest ends."""
   if not len(lengths):
     return 0.0
-  return (max(lengths) * rates.step_s + sum(lengths) * rates.token_s
+  return (rates.call_s + max(lengths) * rates.step_s + sum(lengths) * rates.token_s
           + prompt_tokens * rates.prefill_token_s)
 
 

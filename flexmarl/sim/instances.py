@@ -19,7 +19,8 @@ import numpy as np
 from flexmarl.clock import SimClock, SimPending
 from flexmarl.metrics import spans
 from flexmarl.metrics.spans import SpanRecorder
-from flexmarl.rollout.sampler import SampleBatch, SamplingParams
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams, bucket
+from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.costs import DecodeRates, generation_time
 
 
@@ -48,11 +49,16 @@ class SimSampler:
   response_tokens: {'median', 'sigma', 'max'} of the agent's response lengths (tokens).
   sync_s: seconds a weight update keeps the instance busy (costs.weight_sync_time).
   recorder/track: where its generate and weight-sync spans go (optional).
+  padded_rows: 0 charges the rows' own lengths (an engine that drops finished rows);
+  n > 0 charges as the embedded JAX sampler computes: the batch padded to a power of
+  two of at least n rows, every row decoding until the longest ends.
+  cores: a `SharedCores` the instance's work also waits for (devices on shared cores).
   """
 
   def __init__(self, clock: SimClock, rates: DecodeRates, response_tokens: Mapping[str, float],
                sync_s: float = 0.0, *, agent: str = '', vocab: int = 64, version: int = 0,
-               recorder: SpanRecorder | None = None, track: str = ''):
+               recorder: SpanRecorder | None = None, track: str = '', padded_rows: int = 0,
+               cores: SharedCores | None = None):
     missing = {'median', 'sigma', 'max'} - set(response_tokens)
     if missing:
       raise ValueError(f'response_tokens={dict(response_tokens)} lacks {sorted(missing)}; give '
@@ -64,6 +70,7 @@ class SimSampler:
     self.rates = rates
     self.response_tokens = dict(response_tokens)
     self.sync_s = sync_s
+    self.padded_rows, self.cores = padded_rows, cores
     self.agent = agent
     self.vocab = vocab
     self.version = version
@@ -77,6 +84,8 @@ class SimSampler:
     if self.closed:
       raise RuntimeError(f'SimSampler {self.track or self.agent!r} is closed.')
     start = max(self.clock.now(), self.busy_until)
+    if self.cores is not None:
+      start, _ = self.cores.reserve(start, seconds)
     self.busy_until = start + seconds
     return start, self.busy_until
 
@@ -90,7 +99,10 @@ class SimSampler:
     lengths = response_lengths(keys, self.response_tokens['median'],
                                self.response_tokens['sigma'], cap)
     prompt_tokens = sum(len(p) for p in prompts)
-    start, finish = self._reserve(generation_time(lengths, prompt_tokens, self.rates))
+    charged = lengths
+    if self.padded_rows and len(lengths):
+      charged = np.full(bucket(max(len(lengths), self.padded_rows)), lengths.max())
+    start, finish = self._reserve(generation_time(charged, prompt_tokens, self.rates))
     if self.recorder is not None:
       self.recorder.add(self.track, spans.GENERATE, start, finish, agent=self.agent,
                         version=self.version, tokens=int(lengths.sum()), rows=len(prompts))

@@ -129,8 +129,8 @@ def format_results(results: list[SimResult], paper: dict[str, float]) -> str:
   rows = [head]
   for r in results:
     p = paper.get(r.variant)
-    rows.append(f'{r.variant:<22}{r.step_s:>9.1f}{np.mean(r.rollout_times):>11.1f}'
-                f'{r.bound_s:>9.1f}{r.utilization.get("rollout", 0):>10.1%}'
+    rows.append(f'{r.variant:<22}{r.step_s:>9.4g}{np.mean(r.rollout_times):>11.4g}'
+                f'{r.bound_s:>9.4g}{r.utilization.get("rollout", 0):>10.1%}'
                 f'{r.utilization.get("train", 0):>11.1%}{r.utilization["all"]:>9.1%}'
                 f'{r.queries:>8.1f}{r.rebalances:>6}{p if p else "-":>9}')
   by = {r.variant: r.step_s for r in results}

@@ -13,12 +13,22 @@ simulated trainer's speed comes from `train_devices`).
 Costs come from the agent's `model` (flexmarl.sim.specs) on `cluster.accelerator` (at
 `train_mfu`, default costs.TRAIN_MFU), or,
 to calibrate against a measured machine, from explicit `rates`: {decode_step_s,
-decode_token_s, prefill_token_s, train_token_s, optimizer_s, sync_s}.
+decode_token_s, prefill_token_s, train_token_s, optimizer_s, sync_s} and optionally
+{call_s, micro_batch_s} (per generate call, per micro-batch; see
+experiments/benchmarks/calibrate.py). An agent may give its own `global_batch` and
+`micro_batch` (rows); else the setup's apply. `padded_batches` (setup, default False)
+charges the padded shapes the embedded JAX sampler and trainer compute (see
+SimSampler.padded_rows, SimTrainer.padded): set it to model this framework's own
+backends, leave it off for engines that skip padding. `shared_cores` (setup, default 0:
+devices independent) lets at most that many device operations run at once, for devices
+that share a host's cores (flexmarl/sim/cores.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+
 import ml_collections
 
 from flexmarl import placement as placement_lib
@@ -26,7 +36,9 @@ from flexmarl.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
 from flexmarl.errors import ConfigError
 from flexmarl.rollout.pool import Instance, InstancePool
+from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
+from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.instances import SimSampler
 from flexmarl.sim.trainer import SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
@@ -35,6 +47,9 @@ from flexmarl.tokenizer import TextTokenizer
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')
+OPTIONAL_RATE_FIELDS = ('call_s', 'micro_batch_s')
+# The fewest rows an embedded generate call computes (EmbeddedSampler's `min_batch`).
+EMBEDDED_MIN_BATCH = inspect.signature(EmbeddedSampler).parameters['min_batch'].default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,21 +58,27 @@ class AgentCosts:
   train_token_s: float
   optimizer_s: float
   sync_s: float  # a weight update of one instance
+  micro_batch_s: float = 0.0
 
 
-def agent_costs(a: ml_collections.ConfigDict, accel: specs.Accelerator,
+def agent_costs(a: ml_collections.ConfigDict, accelerator: str,
                 train_mfu: float = costs.TRAIN_MFU) -> AgentCosts:
-  """An agent's rates: explicit `rates`, else from its model on `accel`."""
+  """An agent's rates: explicit `rates`, else from its model on the named accelerator."""
   rates = a.get('rates')
   if rates:
     missing = [f for f in RATE_FIELDS if f not in rates]
     if missing:
       raise ConfigError(f'config.agents.*.rates={dict(rates)} lacks {missing}; give all of '
                         f'{list(RATE_FIELDS)} (seconds), or drop rates to use the model.')
+    stray = sorted(set(rates) - set(RATE_FIELDS) - set(OPTIONAL_RATE_FIELDS))
+    if stray:
+      raise ConfigError(f'config.agents.*.rates names unknown fields {stray}; known: '
+                        f'{list(RATE_FIELDS + OPTIONAL_RATE_FIELDS)}.')
     return AgentCosts(costs.DecodeRates(rates.decode_step_s, rates.decode_token_s,
-                                        rates.prefill_token_s),
-                      rates.train_token_s, rates.optimizer_s, rates.sync_s)
-  m = specs.model(a.model)
+                                        rates.prefill_token_s, rates.get('call_s', 0.0)),
+                      rates.train_token_s, rates.optimizer_s, rates.sync_s,
+                      rates.get('micro_batch_s', 0.0))
+  m, accel = specs.model(a.model), specs.accelerator(accelerator)
   return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp),
                     costs.train_time(m, 1, a.train_devices, accel, train_mfu),
                     costs.optimizer_time(m, a.train_devices, accel),
@@ -102,7 +123,7 @@ def sim_placement(setup: ml_collections.ConfigDict) -> placement_lib.Placement:
 def sim_workflow(setup: ml_collections.ConfigDict) -> RouterWorkflow:
   w = setup.workflow
   return RouterWorkflow(w.router, list(w.specialists), w.zipf,
-                        setup.agents[w.router].prompt_tokens.to_dict())
+                        setup.agents[w.router].prompt_tokens.to_dict(), w.get('mix'))
 
 
 def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool,
@@ -120,8 +141,8 @@ def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool
           or setup.query_parallelism, max_step_queries=setup.get('max_step_queries', 100000),
           balance=balance, balance_threshold=float(setup.balance_threshold)),
       agents={name: agent_config(
-          'tiny', group_size=a.group_size, global_batch=setup.global_batch,
-          micro_batch=setup.micro_batch, mesh_shape=(1, a.rollout_tp),
+          'tiny', group_size=a.group_size, global_batch=a.get('global_batch') or setup.global_batch,
+          micro_batch=a.get('micro_batch') or setup.micro_batch, mesh_shape=(1, a.rollout_tp),
           sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=int(a.response_tokens['max'])),
           rollout=dict(instances=len(placement.rollout[name]),
                        min_instances=a.min_instances, max_instances=0, devices=()))
@@ -150,24 +171,27 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
   recorder: anything with SpanRecorder's `add`; tracks are 'train/AGENT' and
   'rollout/FIRST_DEVICE' (an instance keeps its track when it moves to another agent).
   """
-  accel = specs.accelerator(setup.cluster.accelerator)
   agents = {}
+  padded = bool(setup.get('padded_batches', False))
+  cores = SharedCores(setup.shared_cores) if setup.get('shared_cores') else None
   for name, a in spec.agents.items():
     s = setup.agents[name]
-    c = agent_costs(s, accel, setup.get('train_mfu', costs.TRAIN_MFU))
+    c = agent_costs(s, setup.cluster.accelerator, setup.get('train_mfu', costs.TRAIN_MFU))
 
     def new(devices, version, name=name, s=s, c=c) -> SimSampler:
       return SimSampler(clock, c.decode, s.response_tokens.to_dict(), c.sync_s, agent=name,
                         vocab=tokenizer.vocab_size, version=version, recorder=recorder,
-                        track=f'rollout/{devices[0]}' if recorder is not None else '')
+                        track=f'rollout/{devices[0]}' if recorder is not None else '',
+                        padded_rows=EMBEDDED_MIN_BATCH if padded else 0, cores=cores)
 
     def make(devices, params, version, new=new) -> SimSampler:
       sampler = new(devices, version)
       sampler.update_weights(params, version)  # an adopted instance loads the agent's weights
       return sampler
 
-    trainer = SimTrainer(name, clock, c.train_token_s, c.optimizer_s, recorder=recorder,
-                         track=f'train/{name}')
+    trainer = SimTrainer(name, clock, c.train_token_s, c.optimizer_s,
+                         micro_batch_s=c.micro_batch_s, padded=padded, cores=cores,
+                         recorder=recorder, track=f'train/{name}')
     instances = [Instance(f'{name}/{j}', m.devices, new(m.devices, 0))
                  for j, m in enumerate(spec.placement.rollout[name])]
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)

@@ -16,6 +16,7 @@ import numpy as np
 
 from flexmarl.clock import SimClock
 from flexmarl.metrics import spans
+from flexmarl.sim.cores import SharedCores
 from flexmarl.train.trainer import TrainBatch
 
 
@@ -25,18 +26,24 @@ class SimTrainer:
   token_s: seconds of forward + backward per token (prompt and response tokens both
   run through the model; e.g. `costs.train_time(model, 1, devices, accel)`).
   optimizer_s: seconds of one optimizer step (`costs.optimizer_time`).
+  micro_batch_s: seconds per micro-batch whatever its size (launch; calibrated).
+  padded: charge every token slot of the padded micro-batch (as the JAX trainer computes
+  it: power-of-two rows, widths rounded up), not only the real tokens.
+  cores: a `SharedCores` the group's work also waits for (devices on shared cores).
   recorder: anything with SpanRecorder's `add` (spans on `track`), or None.
   """
 
   batch_multiple = 1
 
   def __init__(self, name: str, clock: SimClock, token_s: float, optimizer_s: float, *,
-               recorder=None, track: str = ''):
-    if token_s < 0 or optimizer_s < 0:
-      raise ValueError(f'SimTrainer {name!r}: token_s={token_s}, optimizer_s={optimizer_s}; '
-                       'durations are seconds and must be >= 0.')
+               micro_batch_s: float = 0.0, padded: bool = False,
+               cores: SharedCores | None = None, recorder=None, track: str = ''):
+    if min(token_s, optimizer_s, micro_batch_s) < 0:
+      raise ValueError(f'SimTrainer {name!r}: token_s={token_s}, optimizer_s={optimizer_s}, '
+                       f'micro_batch_s={micro_batch_s}; durations are seconds and must be >= 0.')
     self.name, self.clock = name, clock
-    self.token_s, self.optimizer_s = token_s, optimizer_s
+    self.token_s, self.optimizer_s, self.micro_batch_s = token_s, optimizer_s, micro_batch_s
+    self.padded, self.cores = padded, cores
     self.recorder, self.track = recorder, track or f'train:{name}'
     self.params = {'version': np.zeros((), np.int32)}  # placeholder: no weights are simulated
     self.busy_until = clock.now()
@@ -51,6 +58,8 @@ class SimTrainer:
   def _run(self, name: str, seconds: float, **args) -> float:
     """Reserve the device group for `seconds` after what is queued; the end time."""
     start = max(self.clock.now(), self.busy_until)
+    if self.cores is not None:
+      start, _ = self.cores.reserve(start, seconds)
     self.busy_until = start + seconds
     if self.recorder is not None:
       self.recorder.add(self.track, name, start, self.busy_until, agent=self.name,
@@ -58,9 +67,11 @@ class SimTrainer:
     return self.busy_until
 
   def accumulate(self, batch: TrainBatch) -> None:
-    """Queue one micro-batch's forward/backward over its real (unpadded) tokens."""
+    """Queue one micro-batch's forward/backward over its real tokens (its padded token
+    slots with `padded`)."""
     tokens = int(batch.prompt_mask.sum()) + batch.tokens
-    self._run(spans.MICRO_BATCH, tokens * self.token_s, tokens=tokens)
+    charged = batch.prompts.size + batch.responses.size if self.padded else tokens
+    self._run(spans.MICRO_BATCH, self.micro_batch_s + charged * self.token_s, tokens=tokens)
     self._tokens += tokens
     self._micro_batches += 1
 

@@ -26,12 +26,21 @@ def lognormal_length(rng: np.random.Generator, median: float, sigma: float, max_
 class RouterWorkflow:
 
   def __init__(self, router: str, specialists: Sequence[str], zipf: float = 1.0,
-               prompt_tokens: Mapping[str, float] | None = None):
-    """prompt_tokens: {'median', 'sigma', 'max'} of the query's length in tokens."""
+               prompt_tokens: Mapping[str, float] | None = None,
+               mix: Sequence[float] | None = None):
+    """prompt_tokens: {'median', 'sigma', 'max'} of the query's length in tokens.
+    mix: the share of queries each specialist gets, instead of Zipf(`zipf`) (e.g. where
+    a real router was measured to send them)."""
     if not specialists:
       raise ValueError('workflow.specialists is empty; name at least one specialist agent.')
     self.router, self.specialists = router, list(specialists)
     self.probs = zipf_probs(len(self.specialists), zipf)
+    if mix is not None:
+      mix = np.asarray(mix, float)
+      if mix.shape != (len(self.specialists),) or (mix < 0).any() or mix.sum() <= 0:
+        raise ValueError(f'workflow.mix={list(mix)}: give one non-negative share per '
+                         f'specialist ({self.specialists}), not all zero.')
+      self.probs = mix / mix.sum()
     self.prompt_tokens = dict(prompt_tokens or dict(median=16, sigma=0.0, max=16))
 
   def agent_names(self) -> Sequence[str]:
