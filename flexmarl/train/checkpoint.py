@@ -17,6 +17,10 @@ import orbax.checkpoint as ocp
 
 
 def _target(x):
+  """What Orbax restores `x`'s leaf into: the same sharding for device arrays (and for
+  shapes that carry one), numpy for host memory."""
+  if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+    return x
   on_device = isinstance(x, jax.Array) and x.sharding.memory_kind in (None, 'device')
   if on_device:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
