@@ -153,7 +153,8 @@ def test_stall_watch_warns_once_per_stall():
   fractions = [1.0, 0.9, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
   warned = [s for s, f in enumerate(fractions) if watch.update('solver', s, f, entropy=0.05)]
   assert warned == [5]
-  assert StallWatch(0.5, 1).update('x', 7, 1.0, accuracy=1.0) is None  # solved, not stalled
+  assert StallWatch(0.5, 1).update('x', 7, 1.0, accuracy=0.95) is None  # solved, not stalled
+  assert StallWatch(0.5, 1).update('x', 7, 1.0, accuracy=0.3) is not None
   message = StallWatch(0.5, 1).update('x', 7, 1.0, entropy=0.05)
   assert "step 7: agent 'x' has stalled" in message and 'entropy 0.050' in message
   with pytest.raises(ValueError, match='threshold in'):

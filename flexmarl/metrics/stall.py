@@ -25,9 +25,9 @@ class StallWatch:
   def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan,
              accuracy: float = math.nan) -> str | None:
     """Record one update's fraction; returns a warning line when the agent has stalled.
-    An agent that is always right (`accuracy` 1) has equal rewards too, but has not
-    stalled: it has solved its task."""
-    solved = not math.isnan(accuracy) and accuracy >= 1.0
+    An agent that is nearly always right (`accuracy` above the threshold) has equal
+    rewards too, but has not stalled: its groups are equal because they are right."""
+    solved = not math.isnan(accuracy) and accuracy >= self.threshold
     if math.isnan(zero_spread) or zero_spread <= self.threshold or solved:
       self._run[agent] = 0
       return None
