@@ -8,7 +8,6 @@ as a string, a workflow that never calls generate, another experiment's workdir.
 import asyncio
 import json
 import math
-import os
 
 import ml_collections
 import numpy as np

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 
 import jax
 import ml_collections
