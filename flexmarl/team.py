@@ -64,6 +64,25 @@ class Timeline:
     self._waiter.shutdown(wait=True)
 
 
+# Mean |π_train/π_served − 1| over an on-policy batch's tokens above which the trainer
+# and the sampler disagree on the prompt or the tokens (float32 agrees to ~1e-6; bf16
+# sampling kernels to ~1e-2).
+SERVED_LOGPROB_TOLERANCE = 0.05
+
+
+def check_served_logprobs(agent: str, version: int, ratio_dev: float) -> None:
+  """Raise if the trainer's logprobs of served tokens are not the sampler's: the update
+  would then train a policy other than the one that answered."""
+  if not ratio_dev <= SERVED_LOGPROB_TOLERANCE:
+    raise RuntimeError(
+        f'agent {agent!r}, update of version {version}: the trainer\'s logprobs of the '
+        f'served tokens differ from the sampler\'s (mean |ratio - 1| = {ratio_dev:.3g}, '
+        f'tolerance {SERVED_LOGPROB_TOLERANCE}) although every row is on-policy. The two '
+        'disagree on the prompt, the tokens or the distribution: check that the rollout '
+        'backend serves this agent\'s weights and tokenizer (special tokens, BOS) and the '
+        'same temperature; this update was not saved.')
+
+
 class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: AgentTrainer, pool: InstancePool,
@@ -79,6 +98,7 @@ class Agent:
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
     self._stepped = None  # params of the last optimizer step, until published
+    self._checked = False  # served logprobs compared with the trainer's (first update)
 
   @property
   def name(self) -> str:
@@ -157,8 +177,12 @@ class Agent:
     result, = dispatched
 
     def finish() -> dict[str, float]:
-      return dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
-                  staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+      stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
+                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+      if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
+        check_served_logprobs(self.name, version, stats['ratio_dev'])
+        self._checked = True
+      return stats
     return finish
 
   def close(self) -> None:
@@ -187,7 +211,8 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
     def make_vllm(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
       return vllm_sampler.VLLMSampler(
           a.model, params, workdir=os.path.join(vllm_dir, '-'.join(map(str, devices))),
-          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, engine=engine, version=version)
+          eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+          banned_ids=tokenizer.banned_ids, engine=engine, version=version)
     return make_vllm
   generate_fn = compiled.setdefault(a.model, compile_generate(trainer.graphdef))
 
@@ -197,8 +222,8 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
     layout = (None if tuple(devices) == tuple(train_devices)
               else trainer.shardings_on(mesh))
     return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=spec.max_prompt_len,
-                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                           batch_multiple=trainer.batch_multiple, version=version,
+                           eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                           banned_ids=tokenizer.banned_ids, batch_multiple=trainer.batch_multiple, version=version,
                            shardings=layout, generate_fn=generate_fn)
   return make
 
@@ -220,7 +245,8 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
         init = hf.load_params(a.checkpoint, a.model,
                               sharding.param_shardings(hf.abstract_params(a.model)[1], where))
     trainers[name] = AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
-                                  seed=spec.seed * 1000 + i, steps=steps, init_params=init)
+                                  seed=spec.seed * 1000 + i, steps=steps, init_params=init,
+                                  banned_ids=tokenizer.banned_ids)
   engine = None
   if placement.pool:
     engine = TrainingEngine(

@@ -2,7 +2,13 @@
 
 The built-in tasks use a character-level tokenizer that the package builds itself
 (no download); any HF tokenizer folder or `tokenizer.json` works for real models,
-its special tokens read from `tokenizer_config.json` when the folder has one.
+its special tokens read from `tokenizer_config.json` (and extra stop ids from
+`generation_config.json`) when the folder has them.
+
+Train as you serve: a prompt is encoded by the tokenizer's own call (its
+post-processor adds BOS where the model expects it), so transformers and vLLM,
+given the saved folder, encode it exactly as training did; `stop_ids` end an
+answer and `banned_ids` (every other special token) are never sampled.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import json
 import os
 import string
 
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
 # Characters the built-in tasks use; kept in a fixed order so ids never move.
@@ -27,10 +33,12 @@ class TextTokenizer:
 
   def __init__(self, tokenizer: Tokenizer, *, eos: str = EOS, bos: str | None = BOS,
                pad: str | None = PAD, alphabet: str | None = None,
-               hf_config: dict | None = None):
+               hf_config: dict | None = None, extra_stop_ids: tuple[int, ...] = ()):
     """`alphabet`: the only characters `encode` accepts (the char tokenizer's), or None.
     `hf_config`: the rest of the folder's tokenizer_config.json (chat template, added
-    tokens...), written back by `save` so an exported model keeps it."""
+    tokens...), written back by `save` so an exported model keeps it.
+    `extra_stop_ids`: further ids that end an answer (a model's generation_config
+    may list several EOS ids)."""
     self.hf = tokenizer
     self.alphabet = alphabet
     self.hf_config = dict(hf_config or {})
@@ -44,28 +52,33 @@ class TextTokenizer:
     self.bos_id = vocab[bos] if bos is not None else None
     self.pad_id = vocab[pad] if pad is not None else self.eos_id
     self.vocab_size = tokenizer.get_vocab_size()
+    self.stop_ids = tuple(dict.fromkeys((self.eos_id, *extra_stop_ids)))
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    special |= {i for i in (self.bos_id, self.pad_id) if i is not None}
+    self.banned_ids = tuple(sorted(special - set(self.stop_ids)))
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, with BOS in front when the tokenizer has one."""
+    """Token ids of `text`, as the tokenizer's own call gives them (with the special
+    tokens its post-processor adds, e.g. BOS in front)."""
     if self.alphabet is not None:
       unknown = next((c for c in text if c not in self.alphabet), None)
       if unknown is not None:
         raise ValueError(f'character {unknown!r} of {text!r} is not in the char tokenizer\'s '
                          f'alphabet {self.alphabet!r}; write prompts with those characters '
                          '(e.g. lower-case them), or use an HF tokenizer (config.tokenizer).')
-    ids = self.hf.encode(text, add_special_tokens=False).ids
-    return ids if self.bos_id is None else [self.bos_id] + ids
+    return self.hf.encode(text).ids
 
   def decode(self, ids) -> str:
-    """Text of response ids, stopping at EOS and skipping padding."""
+    """Text of response ids up to the first stop id. Every other token is shown,
+    special ones included: a token the reward never sees is one the policy never
+    learns to avoid."""
     out = []
     for i in ids:
       i = int(i)
-      if i == self.eos_id:
+      if i in self.stop_ids:
         break
-      if i not in (self.pad_id, self.bos_id):
-        out.append(i)
-    return self.hf.decode(out, skip_special_tokens=True)
+      out.append(i)
+    return self.hf.decode(out, skip_special_tokens=False)
 
   def save(self, folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
@@ -85,6 +98,10 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   tok.pre_tokenizer = pre_tokenizers.Split(pattern='', behavior='isolated')
   tok.decoder = decoders.Fuse()
   tok.add_special_tokens([PAD, BOS, EOS])
+  # BOS in front of every encoding, by the tokenizer itself: saved with it, so HF and
+  # vLLM encode a prompt exactly as training does.
+  tok.post_processor = processors.TemplateProcessing(
+      single=f'{BOS} $A', pair=f'{BOS} $A $B', special_tokens=[(BOS, vocab[BOS])])
   return TextTokenizer(tok, alphabet=chars)
 
 
@@ -104,7 +121,12 @@ def load_tokenizer(path: str) -> TextTokenizer:
         f'config.tokenizer={path!r}: no tokenizer.json there; give "char" for the built-in '
         'character tokenizer, or an HF tokenizer folder / tokenizer.json.')
   specials = {'eos': EOS, 'bos': BOS, 'pad': PAD}
-  cfg = {}
+  cfg, stops = {}, ()
+  generation_file = os.path.join(folder, 'generation_config.json')
+  if os.path.exists(generation_file):
+    with open(generation_file, encoding='utf-8') as f:
+      eos = json.load(f).get('eos_token_id')
+    stops = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
   config_file = os.path.join(folder, 'tokenizer_config.json')
   if os.path.exists(config_file):
     with open(config_file, encoding='utf-8') as f:
@@ -112,4 +134,5 @@ def load_tokenizer(path: str) -> TextTokenizer:
     specials = {role: _special(cfg.get(f'{role}_token')) for role in specials}
     if specials['eos'] is None:
       raise ValueError(f'{config_file} names no eos_token; generation needs one to stop.')
-  return TextTokenizer(Tokenizer.from_file(file), **specials, hf_config=cfg)
+  return TextTokenizer(Tokenizer.from_file(file), **specials, hf_config=cfg,
+                       extra_stop_ids=stops)

@@ -259,4 +259,19 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, tokenizer=None,
     json.dump(hf_config(out_cfg, tokenizer), f, indent=2)
   if tokenizer is not None:
     tokenizer.save(out_dir)
+    with open(os.path.join(out_dir, 'generation_config.json'), 'w', encoding='utf-8') as f:
+      json.dump(generation_config(tokenizer), f, indent=2)
   return out_dir
+
+
+def generation_config(tokenizer) -> dict:
+  """generation_config.json: transformers and vLLM stop at every id that ended an answer
+  in training, and transformers' `generate` never draws a token the sampler banned
+  (`suppress_tokens`; in vLLM, pass them as `SamplingParams(allowed_token_ids=...)`'s
+  complement if a served policy might)."""
+  out = dict(eos_token_id=list(tokenizer.stop_ids), pad_token_id=tokenizer.pad_id)
+  if tokenizer.bos_id is not None:
+    out['bos_token_id'] = tokenizer.bos_id
+  if tokenizer.banned_ids:
+    out['suppress_tokens'] = list(tokenizer.banned_ids)
+  return out

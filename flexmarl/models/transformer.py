@@ -241,3 +241,16 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
 
 def count_params(state: nnx.State) -> int:
   return sum(x.size for x in jax.tree.leaves(state))
+
+
+# Far below any real logit but finite: a banned token's probability is exactly 0 in
+# float32, and the entropy's p·log p stays 0 instead of NaN.
+BANNED_LOGIT = -1e9
+
+
+def ban_tokens(logits: jax.Array, ids: tuple[int, ...]) -> jax.Array:
+  """`logits` [..., V] with the tokens `ids` made impossible. The sampler and the
+  trainer both apply it, so the policy they sample and train is one distribution."""
+  if not ids:
+    return logits
+  return logits.at[..., jnp.array(ids)].set(BANNED_LOGIT)

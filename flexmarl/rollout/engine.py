@@ -52,6 +52,31 @@ class Turn:
   logprobs: list[np.ndarray]
 
 
+@dataclasses.dataclass(frozen=True)
+class Answer:
+  """How a sampled row ends: the tokens kept (what is trained), its text, and whether it
+  was cut by the token limit rather than ended by a stop token or stop string."""
+
+  length: int
+  text: str
+  truncated: bool
+
+
+def finish(tokens: np.ndarray, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> Answer:
+  """End a sampled row where its answer ends: at its stop token (kept, as sampled) or at
+  the token that completes the first stop string (kept; the string is left out of the
+  text). Tokens after that are dropped: what is trained is exactly what was answered."""
+  n = len(tokens)
+  ended = n > 0 and int(tokens[-1]) in tokenizer.stop_ids
+  if stop:
+    for k in range(1, n + 1):
+      text = tokenizer.decode(tokens[:k])
+      cut = min((text.find(s) for s in stop if s in text), default=-1)
+      if cut >= 0:
+        return Answer(k, text[:cut], False)
+  return Answer(n, tokenizer.decode(tokens), not ended)
+
+
 @dataclasses.dataclass
 class EpisodeResult:
   query: Query
@@ -68,8 +93,10 @@ class _Client:
   def __init__(self, name: str, ctx: '_QueryContext'):
     self.name, self._ctx = name, ctx
 
-  async def generate(self, prompt: str, n: int | None = None) -> list[Completion]:
-    return await self._ctx.submit(self.name, prompt, n)
+  async def generate(self, prompt: str, n: int | None = None, *,
+                     max_new_tokens: int | None = None,
+                     stop: Sequence[str] = ()) -> list[Completion]:
+    return await self._ctx.submit(self.name, prompt, n, max_new_tokens, stop)
 
 
 class _QueryContext:
@@ -82,21 +109,31 @@ class _QueryContext:
     self.waiting = 0  # generate calls not answered yet
     self._next_turn = 0
 
-  def submit(self, agent: str, prompt: str, n: int | None) -> asyncio.Future:
-    engine = self.engine
+  def submit(self, agent: str, prompt: str, n: int | None, max_new_tokens: int | None,
+             stop: Sequence[str]) -> asyncio.Future:
+    engine, qid = self.engine, self.query.query_id
     if agent not in engine.pools:
-      raise KeyError(f'query {self.query.query_id}: the workflow asked for agent {agent!r}; '
+      raise KeyError(f'query {qid}: the workflow asked for agent {agent!r}; '
                      f'configured agents: {sorted(engine.pools)}.')
     n = engine.group_sizes[agent] if n is None else n
     if not isinstance(n, int) or n < 1:
-      raise ValueError(f'query {self.query.query_id}: generate(n={n!r}) for agent {agent!r}: '
+      raise ValueError(f'query {qid}: generate(n={n!r}) for agent {agent!r}: '
                        'n must be a whole number >= 1.')
-    ids = engine.tokenizer.encode(prompt)
+    cap = engine.sampling[agent].max_new_tokens
+    limit = cap if max_new_tokens is None else max_new_tokens
+    if not isinstance(limit, int) or not 1 <= limit <= cap:
+      raise ValueError(f'query {qid}: generate(max_new_tokens={max_new_tokens!r}) for agent '
+                       f'{agent!r}: give a whole number in [1, {cap}] (the agent\'s '
+                       f'sampling.max_new_tokens; raise that to allow longer answers).')
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+      raise ValueError(f'query {qid}: generate(stop={stop!r}) for agent {agent!r}: give '
+                       'non-empty strings, e.g. stop=["\\n"].')
+    ids = engine.tokenizers[agent].encode(prompt)
     future = asyncio.get_running_loop().create_future()
     self.requests.append(Request(
-        self.index, self.query.query_id, self._next_turn, agent, ids, n,
-        len(ids) + n * engine.sampling[agent].max_new_tokens, future, self.turns,
-        engine.clock.now()))
+        self.index, qid, self._next_turn, agent, ids, n, len(ids) + n * limit, future,
+        self.turns, engine.clock.now(), max_new_tokens=limit, stop=stop))
     self._next_turn += 1
     self.waiting += 1
     future.add_done_callback(lambda _: setattr(self, 'waiting', self.waiting - 1))
@@ -107,13 +144,17 @@ class RolloutEngine:
   """Serves workflow requests from each agent's pool of rollout instances."""
 
   def __init__(self, pools: Mapping[str, InstancePool], sampling: Mapping[str, SamplingParams],
-               group_sizes: Mapping[str, int], tokenizer: TextTokenizer, seed: int, *,
+               group_sizes: Mapping[str, int],
+               tokenizers: TextTokenizer | Mapping[str, TextTokenizer], seed: int, *,
                clock: Clock | None = None, concurrency: int = 8, admission: str = 'stream',
                max_batch: int = 256, balancer: Balancer | None = None,
                query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None):
     self.pools = dict(pools)
     self.sampling, self.group_sizes = dict(sampling), dict(group_sizes)
-    self.tokenizer, self.seed = tokenizer, seed
+    # Each agent's prompts are encoded and its answers decoded by its own tokenizer.
+    self.tokenizers = (dict(tokenizers) if isinstance(tokenizers, Mapping)
+                       else dict.fromkeys(self.pools, tokenizers))
+    self.seed = seed
     self.clock = clock or RealClock()
     self.concurrency, self.admission, self.max_batch = concurrency, admission, max_batch
     self.balancer, self.query_timeout_s = balancer, query_timeout_s
@@ -282,12 +323,14 @@ class RolloutEngine:
       row += r.n
       if r.future.done():  # its query was abandoned
         continue
-      tokens = [out.tokens[i, :out.lengths[i]] for i in rows]
+      tokenizer = self.tokenizers[r.agent]
+      answers = [finish(out.tokens[i, :out.lengths[i]], tokenizer, r.stop) for i in rows]
+      tokens = [out.tokens[i, :a.length] for i, a in zip(rows, answers)]
       turn = Turn(r.query_id, r.turn, r.agent, version, r.prompt_ids, r.sample_ids, tokens,
-                  [out.logprobs[i, :out.lengths[i]] for i in rows])
+                  [out.logprobs[i, :a.length] for i, a in zip(rows, answers)])
       r.turns.append(turn)
-      r.future.set_result([Completion(sid, r.agent, self.tokenizer.decode(t), version)
-                           for sid, t in zip(turn.sample_ids, tokens)])
+      r.future.set_result([Completion(sid, r.agent, a.text, version, a.truncated)
+                           for sid, a in zip(turn.sample_ids, answers)])
 
   def _check_timeouts(self, active) -> None:
     if not self.query_timeout_s:

@@ -34,6 +34,8 @@ class Request:
   future: asyncio.Future  # answered with the completions
   turns: list  # the query's record of served turns, where this one is added
   enqueued: float = 0.0  # clock time the workflow asked (for queue-time metrics)
+  max_new_tokens: int | None = None  # this call's cap (None: the agent's sampling cap)
+  stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first one
 
   @property
   def sample_ids(self) -> list[str]:
@@ -82,9 +84,11 @@ class Instance:
     self.version = self.sampler.version
     prompts = [r.prompt_ids for r in batch for _ in range(r.n)]
     all_keys = np.concatenate([keys(r, self.version) for r in batch])
+    limits = np.array([r.max_new_tokens or sampling.max_new_tokens
+                       for r in batch for _ in range(r.n)], np.int32)
     self.running, self.started = batch, now
     self.waits.extend((r.agent, now - r.enqueued) for r in batch)
-    self.pending = self.sampler.submit(prompts, all_keys, sampling)
+    self.pending = self.sampler.submit(prompts, all_keys, sampling, limits=limits)
 
   def collect(self, now: float) -> tuple[list[Request], SampleBatch, int]:
     """The finished batch: its requests, the samples (rows in request order), version."""

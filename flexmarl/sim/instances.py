@@ -89,8 +89,8 @@ class SimSampler:
     self.busy_until = start + seconds
     return start, self.busy_until
 
-  def submit(self, prompts: list[list[int]], keys: np.ndarray,
-             params: SamplingParams) -> SimSamples:
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             limits: np.ndarray | None = None) -> SimSamples:
     keys = np.asarray(keys)
     if keys.shape != (len(prompts), 2):
       raise ValueError(f'keys has shape {keys.shape}; pass one uint32[2] key per prompt: '
@@ -98,6 +98,8 @@ class SimSampler:
     cap = min(int(self.response_tokens['max']), params.max_new_tokens)
     lengths = response_lengths(keys, self.response_tokens['median'],
                                self.response_tokens['sigma'], cap)
+    if limits is not None:
+      lengths = np.minimum(lengths, limits)
     prompt_tokens = sum(len(p) for p in prompts)
     charged = lengths
     if self.padded_rows and len(lengths):

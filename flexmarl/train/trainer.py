@@ -99,8 +99,10 @@ def _round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-def response_logprobs(graphdef, params, batch: dict, temperature: float):
-  """Logprobs and entropies of the response tokens under `params`: [B, T] each."""
+def response_logprobs(graphdef, params, batch: dict, temperature: float,
+                      banned_ids: tuple[int, ...] = ()):
+  """Logprobs and entropies of the response tokens under `params`: [B, T] each, in the
+  distribution the sampler draws from (`banned_ids` impossible)."""
   model = nnx.merge(graphdef, params)
   response_len = batch['responses'].shape[1]
   tokens = jnp.concatenate([batch['prompts'], batch['responses']], 1)
@@ -108,17 +110,18 @@ def response_logprobs(graphdef, params, batch: dict, temperature: float):
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
   # The logits that predict the response: from the last prompt position on.
   logits, _ = model(tokens, positions, valid, last=response_len + 1)
-  resp_logits = logits[:, :-1]
+  resp_logits = transformer.ban_tokens(logits[:, :-1], banned_ids)
   return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
 
 
-def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig):
+def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig,
+             banned_ids: tuple[int, ...] = ()):
   """Token-summed GRPO loss of one micro-batch, plus summed diagnostics."""
   mask = batch['response_mask']
-  logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature)
+  logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, banned_ids)
   ref_logp = None
   if ref_params is not None:
-    ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature)
+    ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature, banned_ids)
     ref_logp = jax.lax.stop_gradient(ref_logp)
   per_token = grpo.grpo_token_loss(logp, batch['behaviour_logprobs'], batch['advantages'],
                                    entropy, ref_logp, cfg, entropy_coef)
@@ -143,9 +146,11 @@ class AgentTrainer:
 
   def __init__(self, name: str, model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                grpo_cfg: grpo.GRPOConfig, mesh: Mesh | sharding.MeshLayout, seed: int,
-               steps: StepCache | None = None, init_params: dict | None = None):
+               steps: StepCache | None = None, init_params: dict | None = None,
+               banned_ids: tuple[int, ...] = ()):
     """`init_params`: starting weights (e.g. from an HF checkpoint, already on the
-    mesh's shardings); by default a random initialisation from `seed`."""
+    mesh's shardings); by default a random initialisation from `seed`. `banned_ids`:
+    tokens the sampler never draws, left out of the trained distribution too."""
     self.name = name
     self.grpo_cfg = grpo_cfg
     self.layout = mesh if isinstance(mesh, sharding.MeshLayout) else sharding.layout_of(mesh)
@@ -161,11 +166,13 @@ class AgentTrainer:
       params = init_params
 
     def build() -> Steps:
-      loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg)
+      loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg,
+                               banned_ids=tuple(banned_ids))
       specs = sharding.param_specs(nnx_state, self.layout.abstract())
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
       return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef))
-    self._steps = (StepCache() if steps is None else steps).get((model_cfg, opt_cfg, grpo_cfg, self.layout), build)
+    self._steps = (StepCache() if steps is None else steps).get(
+        (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
     self.state = AgentState(
         params=params, opt_state=jax.device_get(self.tx.init(params)), version=0,
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), placement=OnHost(),

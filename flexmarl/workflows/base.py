@@ -35,6 +35,7 @@ class Completion:
   agent: str
   text: str
   version: int  # the policy version that sampled it
+  truncated: bool = False  # cut at its max_new_tokens before a stop token or stop string
 
 
 @dataclasses.dataclass
@@ -71,8 +72,12 @@ def reward_value(reward: Any, sample_id: str) -> float:
 
 class AgentClient(Protocol):
 
-  async def generate(self, prompt: str, n: int | None = None) -> list[Completion]:
-    """Sample `n` responses (default: the agent's group size) to `prompt`."""
+  async def generate(self, prompt: str, n: int | None = None, *,
+                     max_new_tokens: int | None = None,
+                     stop: Sequence[str] = ()) -> list[Completion]:
+    """Sample `n` responses (default: the agent's group size) to `prompt`, each at most
+    `max_new_tokens` long (default and cap: the agent's `sampling.max_new_tokens`) and
+    ending at the first of the `stop` strings (left out of the text, as in vLLM)."""
 
 
 class Workflow(Protocol):
