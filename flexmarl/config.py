@@ -134,7 +134,8 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
     if model_cfg.vocab_size < vocab_size:
       fail(f'{f}.model.checkpoint', checkpoint,
             f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
-            f'{vocab_size}; use the checkpoint\'s own tokenizer (config.tokenizer).')
+            f'{vocab_size}; use the checkpoint\'s own tokenizer ({f}.tokenizer, or '
+            'config.tokenizer for the whole team).')
   else:
     try:
       model_cfg = ModelConfig(**sizes)
@@ -286,10 +287,15 @@ def parse_schedule(value: str) -> tuple[str, int]:
   fail('schedule', value, f'choose one of {list(SCHEDULES)}.')
 
 
-def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
+def tokenizer_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """Each agent's tokenizer: its own `agents.NAME.tokenizer`, else the team's."""
+  return {name: a.get('tokenizer') or config.tokenizer for name, a in config.agents.items()}
+
+
+def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int],
                     device_ids: Sequence[int], workflow_agents: Sequence[str]) -> TeamSpec:
   """Check the whole config and place the agents on `device_ids`; raise ConfigError on
-  the first bad field."""
+  the first bad field. `vocab_size`: the tokenizer's, or each agent's tokenizer's."""
   check_finite(config)
   schedule, max_staleness = parse_schedule(config.schedule)
   whole_number('seed', config.seed, 0)
@@ -302,7 +308,9 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
     if name not in config.agents:
       fail('workflow', name, f'the workflow calls agent {name!r}, which config.agents does '
             f'not define (defined: {sorted(config.agents)}); add it or rename it.')
-  agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
+  vocab = (vocab_size if isinstance(vocab_size, Mapping)
+           else dict.fromkeys(config.agents, vocab_size))
+  agents = {name: _agent_spec(name, a, vocab[name]) for name, a in config.agents.items()}
   rollout = _rollout_spec(config.rollout)
   training, mesh_shapes = _training_spec(config.get('training') or {}, agents)
   placement = placement_lib.derive(
@@ -320,9 +328,10 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
                   training=training)
 
 
-def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizer,
+def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,
                          max_prompt_len: int) -> None:
-  """Every prompt of a dry run (agent, prompt, sample_ids) encodes and fits `max_prompt_len`.
+  """Every prompt of a dry run (agent, prompt, sample_ids) encodes, with the agent's
+  tokenizer (`tokenizers`: one, or a mapping per agent), and fits `max_prompt_len`.
 
   Prompts that embed an earlier answer are measured with that answer empty, so they
   can be longer in the run: leave room for `max_new_tokens` there."""
@@ -330,6 +339,7 @@ def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tok
   for agent, prompt, ids in requests:
     query = ids[0].rsplit('_', 2)[0] if ids else '?'
     try:
+      tokenizer = tokenizers[agent] if isinstance(tokenizers, Mapping) else tokenizers
       n = len(tokenizer.encode(prompt))
     except ValueError as e:
       raise ConfigError(f'query {query}, agent {agent!r}: {e}') from None

@@ -79,6 +79,10 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
       # config.json (only dtype applies from here) and the weights from its safetensors.
       model=dict(preset=preset, vocab_size=0, qkv_bias=True, tie_embeddings=True,
                  dtype='float32', checkpoint=''),
+      # The agent's own tokenizer ('char', an HF folder or tokenizer.json); '' takes the
+      # team's config.tokenizer. Agents from checkpoints of different model families
+      # each name their checkpoint's.
+      tokenizer='',
       group_size=8,
       global_batch=64,
       micro_batch=16,

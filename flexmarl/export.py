@@ -5,7 +5,8 @@
 The folder (safetensors, config.json, tokenizer files) loads in `transformers`
 (`AutoModelForCausalLM.from_pretrained`) and in vLLM, and as `model.checkpoint` of a
 new FlexMARL agent. The agent's architecture is rebuilt from `WORKDIR/config.json`
-and its tokenizer from `WORKDIR/tokenizer/`, both written when the run started.
+and its tokenizer from `WORKDIR/tokenizers/AGENT/` (an agent's own) or
+`WORKDIR/tokenizer/` (the team's), written when the run started.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
                             'of a flexmarl.main run.')
   with open(config_file, encoding='utf-8') as f:
     config = ml_collections.ConfigDict(json.load(f))
-  tokenizer = load_tokenizer(os.path.join(workdir, 'tokenizer'))
+  own = os.path.join(workdir, 'tokenizers', agent)  # the agent's own, if it had one
+  tokenizer = load_tokenizer(own if os.path.isdir(own) else os.path.join(workdir, 'tokenizer'))
   spec = agent_spec(config, agent, tokenizer.vocab_size)
   checkpointer = AgentCheckpointer(workdir, agent)
   steps = checkpointer.steps()

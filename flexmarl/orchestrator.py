@@ -39,18 +39,21 @@ from flexmarl.rollout.engine import EpisodeResult, RolloutEngine
 from flexmarl.schedules import make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, build_team
-from flexmarl.tokenizer import TextTokenizer
+from flexmarl.tokenizer import TextTokenizer, per_agent
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
 
 class JointOrchestrator:
 
-  def __init__(self, spec: TeamSpec, workflow: Workflow, tokenizer: TextTokenizer,
-               workdir: str, devices: Sequence[jax.Device] | None = None,
-               clock: Clock | None = None, agents: Mapping[str, Agent] | None = None):
-    """`clock` and `agents` default to the wall clock and the team `build_team` makes on
-    `devices`; a simulator passes its own (simulated instances and trainers)."""
+  def __init__(self, spec: TeamSpec, workflow: Workflow,
+               tokenizer: TextTokenizer | Mapping[str, TextTokenizer], workdir: str,
+               devices: Sequence[jax.Device] | None = None, clock: Clock | None = None,
+               agents: Mapping[str, Agent] | None = None):
+    """`tokenizer`: the team's, or each agent's. `clock` and `agents` default to the wall
+    clock and the team `build_team` makes on `devices`; a simulator passes its own
+    (simulated instances and trainers)."""
+    tokenizers = per_agent(tokenizer, spec.agents)
     self.spec, self.workflow, self.workdir = spec, workflow, workdir
     self.clock = clock or RealClock()
     # Every generate call, micro-batch, optimizer step, weight sync and store write, as
@@ -59,7 +62,7 @@ class JointOrchestrator:
     placement_lib.check_resume(spec.placement, workdir)
     placement_lib.save(spec.placement, workdir)
     self.agents = dict(agents) if agents is not None else build_team(
-        spec, spec.placement, tokenizer, workdir, devices or jax.devices(), self.recorder)
+        spec, spec.placement, tokenizers, workdir, devices or jax.devices(), self.recorder)
     r = spec.rollout
     balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
                           for n, a in spec.agents.items()},
@@ -68,7 +71,7 @@ class JointOrchestrator:
     self.engine = RolloutEngine(
         {n: a.pool for n, a in self.agents.items()},
         {n: a.sampling for n, a in spec.agents.items()},
-        {n: a.group_size for n, a in spec.agents.items()}, tokenizer, spec.seed,
+        {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
         clock=self.clock, concurrency=r.query_concurrency, admission=r.admission,
         max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
         recorder=self.recorder)

@@ -38,26 +38,31 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
   from flexmarl import workdir as workdirs
-  from flexmarl.config import build_team_spec, check_prompt_lengths
+  from flexmarl.config import build_team_spec, check_prompt_lengths, tokenizer_paths
   from flexmarl.orchestrator import JointOrchestrator
   from flexmarl.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow, check_workflow_api
 
   quiet_logging()
-  tokenizer = load_tokenizer(config.tokenizer)
+  paths = tokenizer_paths(config)
+  loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
+  tokenizers = {name: loaded[path] for name, path in paths.items()}
   workflow = workflow or build_workflow(config.workflow)
   check_workflow_api(workflow)
-  spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
-                         workflow.agent_names())
+  spec = build_team_spec(config, {n: t.vocab_size for n, t in tokenizers.items()},
+                         [d.id for d in jax.devices()], workflow.agent_names())
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
                             spec.seed)
-  check_prompt_lengths(requests, tokenizer, spec.max_prompt_len)
+  check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
   for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
     log(f'warning: {warning}')
   workdirs.accept_workdir(workdir, config, workflow, experiment)
-  tokenizer.save(os.path.join(workdir, 'tokenizer'))
-  return JointOrchestrator(spec, workflow, tokenizer, workdir)
+  loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))
+  for name, path in paths.items():  # an agent's own tokenizer, beside the team's
+    if path != config.tokenizer:
+      tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
+  return JointOrchestrator(spec, workflow, tokenizers, workdir)
 
 
 def train(config, workdir: str, workflow=None, log=print, experiment: str | None = None) -> dict:

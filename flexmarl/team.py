@@ -26,7 +26,7 @@ from flexmarl.models import hf, sharding
 from flexmarl.placement import Placement
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
-from flexmarl.tokenizer import TextTokenizer
+from flexmarl.tokenizer import TextTokenizer, per_agent
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.step import StepCache
@@ -228,10 +228,13 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
   return make
 
 
-def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, workdir: str,
+def build_team(spec: TeamSpec, placement: Placement,
+               tokenizer: TextTokenizer | Mapping[str, TextTokenizer], workdir: str,
                devices: Sequence[jax.Device], recorder: spans.SpanRecorder
                ) -> dict[str, Agent]:
-  """Every agent of `spec` on the devices `placement` gives it."""
+  """Every agent of `spec` on the devices `placement` gives it, each with its tokenizer
+  (`tokenizer`: the team's, or one per agent)."""
+  tokenizers = per_agent(tokenizer, spec.agents)
   by_id = {d.id: d for d in devices}
   steps, trainers, compiled = StepCache(), {}, {}
   for i, (name, a) in enumerate(spec.agents.items()):
@@ -246,7 +249,7 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
                               sharding.param_shardings(hf.abstract_params(a.model)[1], where))
     trainers[name] = AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
                                   seed=spec.seed * 1000 + i, steps=steps, init_params=init,
-                                  banned_ids=tokenizer.banned_ids)
+                                  banned_ids=tokenizers[name].banned_ids)
   engine = None
   if placement.pool:
     engine = TrainingEngine(
@@ -257,14 +260,14 @@ def build_team(spec: TeamSpec, placement: Placement, tokenizer: TextTokenizer, w
   agents = {}
   for name, a in spec.agents.items():
     train, trainer = placement.train[name], trainers[name]
-    make = _sampler_factory(a, trainer, train.devices, by_id, spec, tokenizer,
+    make = _sampler_factory(a, trainer, train.devices, by_id, spec, tokenizers[name],
                             os.path.join(workdir, 'vllm', name), compiled)
     instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, trainer.params, 0))
                  for j, m in enumerate(placement.rollout[name])]
     pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
     pool.params = trainer.params
     agents[name] = Agent(a, trainer, pool, AgentCheckpointer(workdir, name),
-                         prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id,
+                         prompt_len=spec.max_prompt_len, pad_id=tokenizers[name].pad_id,
                          clock=recorder.clock, recorder=recorder,
                          timeline=Timeline(recorder, f'train:{name}'), engine=engine)
   return agents

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import string
+from collections.abc import Iterable, Mapping
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -103,6 +104,14 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   tok.post_processor = processors.TemplateProcessing(
       single=f'{BOS} $A', pair=f'{BOS} $A $B', special_tokens=[(BOS, vocab[BOS])])
   return TextTokenizer(tok, alphabet=chars)
+
+
+def per_agent(tokenizers: 'TextTokenizer | Mapping[str, TextTokenizer]',
+              agents: Iterable[str]) -> dict[str, 'TextTokenizer']:
+  """Each agent's tokenizer: one shared by the team, or one per agent."""
+  if isinstance(tokenizers, TextTokenizer):
+    return dict.fromkeys(agents, tokenizers)
+  return {name: tokenizers[name] for name in agents}
 
 
 def _special(value) -> str | None:

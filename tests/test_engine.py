@@ -22,7 +22,7 @@ class EchoSampler:
   def __init__(self):
     self.version, self.calls = 0, []
 
-  def submit(self, prompts, keys, params):
+  def submit(self, prompts, keys, params, limits=None):
     self.calls.append(len(prompts))
     tokens = np.array([[p[-1], TOK.eos_id] for p in prompts], np.int32)
     done = concurrent.futures.Future()

@@ -27,7 +27,7 @@ class SlowEcho:
   def __init__(self, delay_s=0.02):
     self.version, self.delay_s = 0, delay_s
 
-  def submit(self, prompts, keys, params):
+  def submit(self, prompts, keys, params, limits=None):
     future = concurrent.futures.Future()
     tokens = np.array([[p[-1], TOK.eos_id] for p in prompts], np.int32)
     out = SampleBatch(tokens, np.full(tokens.shape, -0.5, np.float32), np.full(len(prompts), 2))

@@ -217,3 +217,29 @@ def test_generate_takes_a_cap_and_stop_strings_per_call():
   with pytest.raises(ValueError, match=r'max_new_tokens=7.*\[1, 6\]'):
     engine.run(type('Long', (_Asks,), {'run': lambda self, q, agents: agents['a'].generate(
         '1+2=', max_new_tokens=7)})(), [Query('q1', '')])
+
+
+def test_each_agent_speaks_through_its_own_tokenizer(tmp_path):
+  """A verifier with a tokenizer of its own (other ids for every character): its prompts
+  are encoded and its answers decoded by it, the solver's by the team's, and the export
+  carries the agent's own."""
+  from flexmarl.store.experience_store import ExperienceStore
+  from test_team import two_agent_config
+  own = build_char_tokenizer(''.join(reversed(TOK.alphabet)))
+  own.save(str(tmp_path / 'own'))
+  config = two_agent_config(steps=2)
+  config.agents.verifier.tokenizer = str(tmp_path / 'own')
+  workdir = str(tmp_path / 'run')
+  train(config, workdir, log=lambda *_: None)
+  store = ExperienceStore.open(os.path.join(workdir, 'store'), agents=['solver', 'verifier'])
+  for agent, tokenizer, other in (('solver', TOK, own), ('verifier', own, TOK)):
+    rows = store.read(agent)
+    assert rows
+    for row in rows:
+      prompt = tokenizer.decode(row.prompt_ids)
+      assert list(row.prompt_ids) == tokenizer.encode(prompt.replace(BOS, ''))
+      assert list(row.prompt_ids) != other.encode(prompt.replace(BOS, ''))
+  store.close()
+  assert load_tokenizer(os.path.join(workdir, 'tokenizers', 'verifier')).encode('1') == \
+      own.encode('1')
+  assert not os.path.exists(os.path.join(workdir, 'tokenizers', 'solver'))
