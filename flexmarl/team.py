@@ -223,7 +223,8 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
               else trainer.shardings_on(mesh))
     return EmbeddedSampler(trainer.graphdef, params, max_prompt_len=spec.max_prompt_len,
                            eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                           banned_ids=tokenizer.banned_ids, batch_multiple=trainer.batch_multiple, version=version,
+                           banned_ids=tokenizer.banned_ids,
+                           batch_multiple=trainer.batch_multiple, version=version,
                            shardings=layout, generate_fn=generate_fn)
   return make
 

@@ -101,8 +101,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   tok.add_special_tokens([PAD, BOS, EOS])
   # BOS in front of every encoding, by the tokenizer itself: saved with it, so HF and
   # vLLM encode a prompt exactly as training does.
-  tok.post_processor = processors.TemplateProcessing(
-      single=f'{BOS} $A', pair=f'{BOS} $A $B', special_tokens=[(BOS, vocab[BOS])])
+  _add_bos(tok, BOS)
   return TextTokenizer(tok, alphabet=chars)
 
 
@@ -143,5 +142,15 @@ def load_tokenizer(path: str) -> TextTokenizer:
     specials = {role: _special(cfg.get(f'{role}_token')) for role in specials}
     if specials['eos'] is None:
       raise ValueError(f'{config_file} names no eos_token; generation needs one to stop.')
-  return TextTokenizer(Tokenizer.from_file(file), **specials, hf_config=cfg,
-                       extra_stop_ids=stops)
+  tokenizer = Tokenizer.from_file(file)
+  if cfg.get('add_bos_token') and specials['bos'] is not None:
+    _add_bos(tokenizer, specials['bos'])  # what transformers does with add_bos_token
+  return TextTokenizer(tokenizer, **specials, hf_config=cfg, extra_stop_ids=stops)
+
+
+def _add_bos(tokenizer: Tokenizer, bos: str) -> None:
+  """Make the tokenizer's own call put `bos` in front, unless it already does."""
+  bos_id = tokenizer.token_to_id(bos)
+  if bos_id is not None and tokenizer.encode('').ids[:1] != [bos_id]:
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f'{bos} $A', pair=f'{bos} $A $B', special_tokens=[(bos, bos_id)])

@@ -42,7 +42,8 @@ def _config(checkpoint: str, steps: int) -> ml_collections.ConfigDict:
   c.rollout = rollout_config(query_concurrency=8, max_step_queries=8)
   c.agents = dict(solver=agent_config(
       'tiny', group_size=8, global_batch=64, micro_batch=64,
-      model=dict(checkpoint=checkpoint), sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)))
+      model=dict(checkpoint=checkpoint),
+      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)))
   return c
 
 
@@ -67,10 +68,12 @@ def _flexmarl_greedy(folder, prompts):
   cfg = hf.model_config_from_hf(folder)
   graphdef, abstract = hf.abstract_params(cfg)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = hf.load_params(folder, cfg, jax.tree.map(lambda _: one, nnx.to_pure_dict(abstract)))
+  params = hf.load_params(folder, cfg,
+                          jax.tree.map(lambda _: one, nnx.to_pure_dict(abstract)))
   sampler = EmbeddedSampler(graphdef, params, max_prompt_len=8, eos_id=tok.stop_ids,
                             pad_id=tok.pad_id, banned_ids=tok.banned_ids)
-  out = sampler.generate([tok.encode(p) for p in prompts], np.zeros((len(prompts), 2), np.uint32),
+  out = sampler.generate([tok.encode(p) for p in prompts],
+                         np.zeros((len(prompts), 2), np.uint32),
                          SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
   return [out.tokens[i, :out.lengths[i]].tolist() for i in range(len(prompts))]
 
@@ -142,9 +145,11 @@ def test_banned_tokens_are_never_sampled_and_logprobs_match_the_trainer():
                         banned_ids=TOK.banned_ids).generate(prompts, keys, sp)
   drawn = np.concatenate([out.tokens[i, :out.lengths[i]] for i in range(len(prompts))])
   assert not np.isin(drawn, TOK.banned_ids).any()
-  rows = TrainBatch.from_rows(prompts, [out.tokens[i, :out.lengths[i]] for i in range(len(prompts))],
-                              [out.logprobs[i, :out.lengths[i]] for i in range(len(prompts))],
-                              np.zeros(len(prompts)), prompt_len=8, response_len=6, pad_id=TOK.pad_id)
+  kept = range(len(prompts))
+  rows = TrainBatch.from_rows(prompts, [out.tokens[i, :out.lengths[i]] for i in kept],
+                              [out.logprobs[i, :out.lengths[i]] for i in kept],
+                              np.zeros(len(prompts)), prompt_len=8, response_len=6,
+                              pad_id=TOK.pad_id)
   logp, _ = response_logprobs(graphdef, params, dataclasses.asdict(rows), sp.temperature,
                               TOK.banned_ids)
   np.testing.assert_allclose(np.where(rows.response_mask, logp, 0), rows.behaviour_logprobs,

@@ -38,3 +38,19 @@ def test_hf_folder_with_qwen_style_specials(tmp_path):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match='config.tokenizer'):
     load_tokenizer(str(tmp_path / 'nope'))
+
+
+@pytest.mark.parametrize('add_bos', [True, False])
+def test_a_folder_without_post_processor_encodes_as_its_config_says(tmp_path, add_bos):
+  """BOS comes from the tokenizer's own call; a folder whose tokenizer.json has no
+  post-processor gets BOS exactly when its tokenizer_config.json asks for it."""
+  tok = build_char_tokenizer()
+  tok.save(str(tmp_path))
+  spec = json.loads((tmp_path / 'tokenizer.json').read_text())
+  spec['post_processor'] = None
+  (tmp_path / 'tokenizer.json').write_text(json.dumps(spec))
+  config = json.loads((tmp_path / 'tokenizer_config.json').read_text())
+  config['add_bos_token'] = add_bos
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+  ids = tok.encode('1+2=')
+  assert load_tokenizer(str(tmp_path)).encode('1+2=') == (ids if add_bos else ids[1:])

@@ -196,8 +196,8 @@ class EmbeddedSampler:
                generate_fn: Callable | None = None, min_batch: int = 16):
     """`eos_id`: the id (or ids) that end an answer; `banned_ids`: ids never sampled
     (the tokenizer's other special tokens). `shardings` (a tree like `state`): the
-    instance's own devices, where published
-    weights are copied; None serves them where they already are. `generate_fn`: the
+    instance's own devices, where published weights are copied; None serves them where
+    they already are. `generate_fn`: the
     model's `compile_generate`, shared between instances. Batches are padded to at
     least `min_batch` rows: continuous batching makes every size from 1 up, and each
     distinct size costs a compilation."""
@@ -229,11 +229,10 @@ class EmbeddedSampler:
              limits: np.ndarray | None = None) -> PendingSamples:
     """Dispatch the batch to the instance's devices; returns before it is computed."""
     n = len(prompts)
-    row_limits = np.full((bucket(max(n, self.min_batch), self.batch_multiple),),
-                         params.max_new_tokens, np.int32)
+    size = bucket(max(n, self.min_batch), self.batch_multiple)
+    row_limits = np.full((size,), params.max_new_tokens, np.int32)
     if limits is not None:
       row_limits[:n] = np.minimum(limits, params.max_new_tokens)
-    size = bucket(max(n, self.min_batch), self.batch_multiple)
     ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
     all_keys = np.zeros((size, 2), np.uint32)

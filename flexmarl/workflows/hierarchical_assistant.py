@@ -88,6 +88,9 @@ class HierarchicalAssistant:
     outcome = dict(zip(chosen, outcomes))
     for c, choice in zip(routes, choices):
       right = choice == target
-      reward = float(right) if self.router_reward == 'routing' else outcome.get(choice, 0.0)
+      # Routing: 1 for the right index alone, partial credit for it followed by more
+      # (only an exact index is acted on; the credit teaches the router to stop).
+      reward = (tasks.partial_credit(c.text, target) if self.router_reward == 'routing'
+                else outcome.get(choice, 0.0))
       episode.score(c, reward, correct=right)
     return episode

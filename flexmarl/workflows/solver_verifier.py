@@ -1,7 +1,8 @@
 """A solver answers; a verifier accepts ('y') or rejects ('n') each answer.
 
 The solver earns partial credit for its answer (1.0 when exact). The verifier
-sees the task with one of the solver's answers and earns 1 for a correct verdict.
+sees the task with one of the solver's answers and earns 1 for a correct verdict, and
+partial credit for the right verdict followed by more (it must learn to stop after it).
 Verifications of the solver's answers are independent branches, run concurrently.
 """
 
@@ -36,7 +37,7 @@ class SolverVerifier:
     truth = 'y' if answer.text == query.answer else 'n'
     for verdict in await agents[self.verifier].generate(f'{query.prompt}={answer.text}?'):
       right = verdict.text == truth
-      episode.score(verdict, float(right), correct=right)
+      episode.score(verdict, tasks.partial_credit(verdict.text, truth), correct=right)
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     episode = Episode()
