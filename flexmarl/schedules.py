@@ -30,16 +30,40 @@ fixed by the step count alone, so runs stay reproducible and resumable.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
+from flexmarl.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer, batch_stats
-
-if TYPE_CHECKING:  # the orchestrator calls the schedule; types only
-  from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.team import Agent
 
 Lines = dict[str, dict[str, float]]
+
+
+class StepContext(Protocol):
+  """What a schedule may use of the run that calls it (the JointOrchestrator): the team,
+  each agent's buffer of served rows, and the run's rollout and training calls. Declared
+  here so that the schedules never import the orchestrator."""
+
+  spec: TeamSpec
+  clock: Clock
+  agents: Mapping[str, Agent]
+  buffers: dict[str, BatchBuilder | StaleBuffer]
+
+  def rollout(self, take: Callable[[str, list[Group]], None], done: Callable[[], bool]
+              ) -> tuple[int, dict[str, int]]:
+    """Stream queries, handing each query's groups to `take`, until `done()`."""
+
+  def start_step(self, name: str, batch: Sequence[Group],
+                 micro_batches: Sequence[Sequence[Group]]) -> Callable[[], dict[str, float]]:
+    """Dispatch an agent's update; the returned function waits and gives its stats."""
+
+  def train_agent(self, name: str) -> dict[str, float]:
+    """Train an agent on its full batch, wait, publish."""
+
+  def finish_step(self, lines: Lines, t0: float, rollout_s: float, queries: int) -> Lines:
+    """Complete the step's metrics lines and queue its rows for the store."""
 
 
 class Schedule(Protocol):
@@ -47,7 +71,7 @@ class Schedule(Protocol):
   def new_buffer(self, spec: AgentSpec) -> BatchBuilder | StaleBuffer:
     """An agent's empty buffer of served rows not yet trained on."""
 
-  def run_step(self, orch: JointOrchestrator) -> Lines:
+  def run_step(self, orch: StepContext) -> Lines:
     """One step: roll out, train, publish; returns the per-agent metrics lines."""
 
 
@@ -60,15 +84,15 @@ class Sync:
     return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
                         spec.grpo.dynamic_sampling)
 
-  def on_groups(self, orch: JointOrchestrator, name: str, early: dict[str, int],
+  def on_groups(self, orch: StepContext, name: str, early: dict[str, int],
                 stepped: dict[str, Callable]) -> None:
     """Called as an agent's groups arrive (pipelined schedules start work here)."""
 
-  def train(self, orch: JointOrchestrator, full: list[str], stepped: dict[str, Callable]
+  def train(self, orch: StepContext, full: list[str], stepped: dict[str, Callable]
             ) -> dict[str, dict[str, float]]:
     return {name: orch.train_agent(name) for name in full}
 
-  def run_step(self, orch: JointOrchestrator) -> Lines:
+  def run_step(self, orch: StepContext) -> Lines:
     t0 = orch.clock.now()
     versions = {n: a.version for n, a in orch.agents.items()}
     early = {n: 0 for n in orch.agents}
@@ -142,7 +166,7 @@ class Async:
     return StaleBuffer(spec.global_batch, spec.micro_batch // spec.group_size,
                        self.max_staleness, spec.grpo.dynamic_sampling)
 
-  def run_step(self, orch: JointOrchestrator) -> Lines:
+  def run_step(self, orch: StepContext) -> Lines:
     t0 = orch.clock.now()
     specs = orch.spec.agents
     versions = {n: a.version for n, a in orch.agents.items()}
