@@ -25,7 +25,8 @@ from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train import pool as pool_lib
 from flexmarl.train.grpo import LOSS_NORMS, GRPOConfig
-from flexmarl.validate import check_finite, fail, in_range, section, whole_number
+from flexmarl.validate import (check_finite, fail, in_range, refuse_unknown, section,
+                               whole_number)
 from flexmarl.train.trainer import OptimizerConfig
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
@@ -207,9 +208,8 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
 
 def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
   cfg = rollout_config()
+  refuse_unknown('rollout', r, cfg)
   for key, value in r.items():
-    if key not in cfg:
-      fail(f'rollout.{key}', value, f'unknown field; rollout fields are {sorted(cfg)}.')
     cfg[key] = value
   if cfg.backend not in BACKENDS:
     fail('rollout.backend', cfg.backend, f'choose one of {list(BACKENDS)}.')
@@ -248,9 +248,8 @@ def _training_spec(t: Mapping[str, Any], agents: Mapping[str, AgentSpec]
                    ) -> tuple[TrainingSpec, list[tuple[int, ...]]]:
   """The checked training pool and its listed mesh shapes; nothing is compiled."""
   cfg = training_config().to_dict()
+  refuse_unknown('training', t, cfg)
   for key, value in t.items():
-    if key not in cfg:
-      fail(f'training.{key}', value, f'unknown field; training fields are {sorted(cfg)}.')
     cfg[key] = value
   devices = cfg['pool_devices']
   if devices < 0:

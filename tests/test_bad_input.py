@@ -87,6 +87,11 @@ CONFIG_CASES = {
     'agent_not_in_workflow': (_set('agents.idle', agent_config('tiny')),
                               ["['idle']", 'agent_names()', 'never train']),
     'negative_checkpoint_every': (_set('checkpoint_every', -5), ['checkpoint_every']),
+    'renamed_queries_per_wave': (_set('rollout.queries_per_wave', 4),
+                                 ['rollout.queries_per_wave=4', 'renamed', 'query_concurrency']),
+    'renamed_max_waves': (_set('rollout.max_waves', 2),
+                          ['rollout.max_waves=2', 'renamed', 'max_step_queries']),
+    'unknown_rollout_field': (_set('rollout.queries', 2), ["['queries']", 'query_concurrency']),
 }
 
 

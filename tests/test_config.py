@@ -101,6 +101,8 @@ def test_a_dict_of_specialists_is_refused(tmp_path):
 @pytest.mark.parametrize('flag,needle', [
     ('--config.no_such_field=1', 'no_such_field'),
     ('--config.steps=many', 'steps'),
+    ('--config.rollout.queries_per_wave=8', 'renamed: use --config.rollout.query_concurrency'),
+    ('--config.rollout.max_waves=2', 'renamed: use --config.rollout.max_step_queries'),
 ])
 def test_command_line_overrides_are_checked(tmp_path, flag, needle):
   out = subprocess.run(
