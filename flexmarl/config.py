@@ -309,9 +309,6 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
                                     a.instance_devices) for n, a in agents.items()},
       rollout.devices, device_ids, training.pool_devices, mesh_shapes)
   whole_number('checkpoint_every', config.checkpoint_every, 1)
-  if training.pool_devices and any(a.checkpoint for a in agents.values()):
-    fail('training.pool_devices', training.pool_devices, 'agents that start from '
-          'model.checkpoint need a mesh of their own for now: set pool_devices=0.')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
