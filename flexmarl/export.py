@@ -21,6 +21,7 @@ from flax import nnx
 
 from flexmarl.config import agent_spec
 from flexmarl.models import hf
+from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.trainer import make_optimizer
@@ -57,6 +58,7 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
 
 
 def main(argv):
+  quiet_logging()  # Orbax logs every restore step at INFO; warnings still show
   if len(argv) != 4:
     raise app.UsageError('usage: python -m flexmarl.export WORKDIR AGENT OUT_DIR')
   out = export(argv[1], argv[2], argv[3], step=_STEP.value, dtype=_DTYPE.value)

@@ -15,6 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from flexmarl.run import train
+from flexmarl.validate import RENAMED
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=True)
@@ -22,16 +23,30 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Where metrics, checkpoints and 
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
+def _overridden_fields(argv: list[str]) -> list[str]:
+  """The dotted fields that `--config.FIELD=VALUE` arguments set."""
+  return [a[len('--config.'):].split('=', 1)[0] for a in argv if a.startswith('--config.')]
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with the fix added to what went wrong (a bad `--config.x`
-  value, a missing config file, a config file that raises)."""
+  """absl's flag parsing, with the fix added to what went wrong (a renamed or unknown
+  `--config.x`, a bad value, a missing config file, a config file that raises)."""
+  for field in _overridden_fields(argv):
+    if field in RENAMED:
+      new, note = RENAMED[field]
+      sys.exit(f'--config.{field}: renamed: use --config.{new} ({note}).')
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(f'FATAL Flags parsing error: {e}\nFix: give --config (an experiment file) and '
              "--workdir, and each --config.FIELD a value of that field's type (see the "
              'experiment file); --helpfull lists the flags.')
-  except Exception as e:  # noqa: BLE001 — the experiment file itself raised
+  except Exception as e:  # noqa: BLE001 — an override names no field, or the file raised
+    missing = [f for f in _overridden_fields(argv) if repr(f.rsplit('.', 1)[-1]) in str(e)]
+    if missing:
+      sys.exit(f'--config.{missing[0]}: the config has no such field ({type(e).__name__}: '
+               f'{e}). Fix: check the name against the experiment file and '
+               'flexmarl.config.rollout_config / agent_config / training_config.')
     config = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '?')
     sys.exit(f'--config={config}: the experiment file raised {type(e).__name__}: {e}\n'
              'Fix: correct get_config() in that file, or give another experiment, e.g. '

@@ -28,7 +28,7 @@ from flexmarl import placement as placement_lib
 from flexmarl.clock import Clock, RealClock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
-from flexmarl.data.journal import Journal, group_ref, groups_from_store
+from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
 from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
@@ -103,7 +103,7 @@ class JointOrchestrator:
       agent.trainer.load_train_state(states[name], meta['version'])
       agent.publish()
       self.next_query = meta['next_query']
-      for g in groups_from_store(self.journal.store, name, meta['buffer']):
+      for g in self._carried_groups(name, step, meta['buffer'], log):
         self.buffers[name].add(g)
       carried = [s for g in self.buffers[name].kept for s in g.turn.sample_ids]
       if carried and self.journal.store.count(name, sample_ids=carried, consumed=True):
@@ -112,6 +112,29 @@ class JointOrchestrator:
             f'(trained on and checkpointed later); the workdir {self.workdir} is inconsistent.')
     self.step = step
     return step
+
+  def _carried_groups(self, name: str, step: int, refs: Sequence[dict], log) -> list[Group]:
+    """The groups checkpoint `step` carries for agent `name`, read back from the store.
+
+    When the store lost them (its table deleted, or damaged so that it cannot be read),
+    the way forward is to resume without them: they are not trained on and the next
+    queries fill the batch. A damaged table is first set aside (kept, renamed) so that
+    new rows can be written. The warning says what was done."""
+    try:
+      return groups_from_store(self.journal.store, name, refs)
+    except CarriedRowsLost as e:
+      rows = sum(len(r['sample_ids']) for r in refs)
+      queries = list(dict.fromkeys(r['query_id'] for r in refs))
+      aside = ''
+      if e.unreadable:
+        aside = (f' The table was moved to {self.journal.store.set_aside(name)} (kept as it '
+                 'was) and a new one started, since no row could be written into it.')
+      log(f'warning: {e}. Way forward taken: resuming from checkpoint {step} without these '
+          f'{rows} carried rows (queries {", ".join(queries)}): they are not trained on and '
+          'the next queries fill the batch, so the run is no longer the exact continuation '
+          f'of the one saved.{aside} To keep the rows instead, stop this run, restore the '
+          f'store folder {os.path.join(self.workdir, "store")} from a backup and rerun.')
+      return []
 
   def save(self) -> None:
     """Checkpoint every agent; then mark the rows those updates trained on consumed.
@@ -261,7 +284,7 @@ class JointOrchestrator:
       writer.close()
       self.close()
     return write_summary(self.workdir, self.clock.now() - t0,
-                         utilization.run_summary(spans.load_spans(trace)))
+                         utilization.run_summary(spans.load_spans(trace)), steps=self.step)
 
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store."""

@@ -1,19 +1,23 @@
 """PNG plots of a run: learning curves, utilization per device group, Gantt charts.
 
-  python -m flexmarl.plot WORKDIR [--steps=3,4]
+  python -m flexmarl.plot WORKDIR [--steps=3,4] [--smooth=N]
 
 reads WORKDIR/metrics.jsonl and WORKDIR/trace.json and writes into WORKDIR/plots/:
-  learning.png      reward_mean and accuracy per agent over steps ('team' dashed)
+  learning.png      reward_mean and accuracy per agent over steps ('team' dashed): a moving
+                    mean over --smooth steps (default: about 1/25 of the run), the raw
+                    per-step values faint behind it
   utilization.png   busy share per device group over the run, and per step
   gantt_step{N}.png every track's spans in the window of step N (default: the last two)
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -26,7 +30,27 @@ from flexmarl.metrics.writer import TEAM, read_metrics
 CURVES = ('reward_mean', 'accuracy')
 
 
-def plot_learning(lines: list[dict], path: str) -> None:
+def auto_window(points: int) -> int:
+  """The default smoothing window: about 1/25 of the points (1, no smoothing, for short runs)."""
+  return max(1, round(points / 25))
+
+
+def moving_mean(values: Sequence[float], window: int) -> np.ndarray:
+  """The mean of each value and the `window - 1` before it (fewer at the start); NaN
+  values (an agent without answers that step) are left out, NaN where all are NaN."""
+  x = np.asarray(values, dtype=float)
+  known = ~np.isnan(x)
+  sums = np.concatenate([[0.0], np.cumsum(np.where(known, x, 0.0))])
+  counts = np.concatenate([[0], np.cumsum(known)])
+  hi = np.arange(1, len(x) + 1)
+  lo = np.maximum(hi - window, 0)
+  n = counts[hi] - counts[lo]
+  with np.errstate(invalid='ignore', divide='ignore'):
+    return np.where(n > 0, (sums[hi] - sums[lo]) / np.maximum(n, 1), math.nan)
+
+
+def plot_learning(lines: list[dict], path: str, window: int = 0) -> None:
+  """Curves smoothed over `window` steps (0: `auto_window`), raw values faint behind."""
   agents = sorted({line['agent'] for line in lines}, key=lambda a: (a == TEAM, a))
   fig, axes = plt.subplots(1, len(CURVES), figsize=(6 * len(CURVES), 4), squeeze=False)
   for ax, key in zip(axes[0], CURVES):
@@ -34,7 +58,14 @@ def plot_learning(lines: list[dict], path: str) -> None:
       points = sorted((l['step'], l[key]) for l in lines if l['agent'] == agent and key in l)
       if points:
         steps, values = zip(*points)
-        ax.plot(steps, values, '--' if agent == TEAM else '-', label=agent)
+        w = window or auto_window(len(values))
+        style = '--' if agent == TEAM else '-'
+        if w > 1:
+          raw, = ax.plot(steps, values, style, alpha=0.2, linewidth=0.8)
+          ax.plot(steps, moving_mean(values, w), style, color=raw.get_color(),
+                  label=f'{agent} (mean of {w})')
+        else:
+          ax.plot(steps, values, style, label=agent)
     ax.set(title=key, xlabel='step')
     ax.grid(alpha=0.3)
     ax.legend(fontsize='small')
@@ -97,15 +128,17 @@ def plot_gantt(spans: Sequence[Span], step: int, path: str) -> None:
   plt.close(fig)
 
 
-def plot_workdir(workdir: str, steps: Sequence[int] | None = None) -> list[str]:
-  """Writes the PNGs it has data for; returns their paths."""
+def plot_workdir(workdir: str, steps: Sequence[int] | None = None, smooth: int = 0
+                 ) -> list[str]:
+  """Writes the PNGs it has data for; returns their paths. `smooth`: the learning
+  curves' window in steps (0: about 1/25 of the run; 1: raw values only)."""
   out = os.path.join(workdir, 'plots')
   os.makedirs(out, exist_ok=True)
   written = []
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if os.path.exists(metrics):
     written.append(os.path.join(out, 'learning.png'))
-    plot_learning(read_metrics(metrics), written[-1])
+    plot_learning(read_metrics(metrics), written[-1], smooth)
   trace = os.path.join(workdir, TRACE_FILE)
   spans = load_spans(trace) if os.path.exists(trace) else []
   if spans:
@@ -121,13 +154,15 @@ def plot_workdir(workdir: str, steps: Sequence[int] | None = None) -> list[str]:
 
 
 _STEPS = flags.DEFINE_list('steps', None, 'Steps to draw as Gantt charts (default: the last two).')
+_SMOOTH = flags.DEFINE_integer('smooth', 0, 'Learning curves: moving mean over this many steps '
+                               '(0: about 1/25 of the run; 1: raw values only).', lower_bound=0)
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) != 2:
-    raise app.UsageError('usage: python -m flexmarl.plot WORKDIR [--steps=3,4]')
+    raise app.UsageError('usage: python -m flexmarl.plot WORKDIR [--steps=3,4] [--smooth=N]')
   steps = None if _STEPS.value is None else [int(s) for s in _STEPS.value]
-  for path in plot_workdir(argv[1], steps):
+  for path in plot_workdir(argv[1], steps, _SMOOTH.value):
     print(path)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from flexmarl.clock import Clock, RealClock
 from flexmarl.config import AgentSpec, TeamSpec
@@ -243,6 +244,10 @@ def build_team(spec: TeamSpec, placement: Placement,
     init = None
     if placement.pool:
       where = a.layout
+      if a.checkpoint:  # into host memory, where a pool trainer's state starts
+        host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+        init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
+            lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
     else:
       where = sharding.make_mesh([by_id[d] for d in train.devices], a.mesh_shape, a.mesh_axes)
       if a.checkpoint:  # read tensor by tensor straight onto the mesh

@@ -14,8 +14,31 @@ import ml_collections
 from flexmarl.errors import ConfigError
 
 
+# Config fields that were renamed: old dotted name → (new name, what to know when moving).
+RENAMED = {
+    'rollout.queries_per_wave': ('rollout.query_concurrency',
+                                 'the queries in flight at once; a finished one is replaced '
+                                 'at once rather than after its wave'),
+    'rollout.max_waves': ('rollout.max_step_queries',
+                          'it counts the queries a step may consume, not waves: about '
+                          'max_waves × query_concurrency'),
+}
+
+
 def fail(field: str, value: Any, fix: str) -> None:
   raise ConfigError(f'config.{field}={value!r}: {fix}')
+
+
+def refuse_unknown(field: str, values: Mapping[str, Any], known: Any) -> None:
+  """Refuse the fields of section `field` that are not in `known`; a renamed one is
+  pointed to its new name."""
+  unknown = sorted(set(values) - set(known))
+  for name in unknown:
+    if f'{field}.{name}' in RENAMED:
+      new, note = RENAMED[f'{field}.{name}']
+      fail(f'{field}.{name}', values[name], f'renamed: use `{new}` ({note}).')
+  if unknown:
+    fail(field, dict(values), f'unknown field(s) {unknown}; known: {sorted(known)}.')
 
 
 def check_finite(config: Mapping | ml_collections.ConfigDict, prefix: str = '') -> None:
@@ -48,7 +71,5 @@ def section(a: ml_collections.ConfigDict, key: str, cls, field: str, **extra) ->
   """`cls(**a[key], **extra)`, with an unknown field named."""
   values = a[key].to_dict()
   known = {f.name for f in dataclasses.fields(cls)} - set(extra)
-  unknown = sorted(set(values) - known)
-  if unknown:
-    fail(f'{field}.{key}', values, f'unknown field(s) {unknown}; known: {sorted(known)}.')
+  refuse_unknown(f'{field}.{key}', values, known)
   return cls(**values, **extra)

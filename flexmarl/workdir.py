@@ -80,9 +80,25 @@ def _read_json(path: str) -> dict | None:
                        'Fix: use a new --workdir, or restore the file.') from None
 
 
+def check_usable(workdir: str) -> None:
+  """Raise WorkdirError unless `workdir` is a folder this process can write in, or can be
+  made one (its nearest existing parent is such a folder)."""
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise WorkdirError(f'--workdir {workdir}: {existing} is a file, not a folder. Fix: give '
+                       'the path of a folder (it is created if missing), e.g. runs/NAME.')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise WorkdirError(f'--workdir {workdir}: the folder {existing} is not writable by this '
+                       'user. Fix: give a folder you can write in, or make it writable '
+                       f'(chmod u+w {existing}).')
+
+
 def check_workdir(workdir: str, config, workflow, experiment: str | None = None) -> list[str]:
-  """Raise WorkdirError if `workdir` holds a run this config cannot carry on; returns
-  warnings (harmless changes) to print. Writes nothing."""
+  """Raise WorkdirError if `workdir` is not a writable folder or holds a run this config
+  cannot carry on; returns warnings (harmless changes) to print. Writes nothing."""
+  check_usable(workdir)
   old = _read_json(os.path.join(workdir, CONFIG_FILE))
   owner = _read_json(os.path.join(workdir, RUN_FILE)) or {}
   if old is None:
@@ -115,9 +131,13 @@ def _write_json(path: str, values: Any) -> None:
 
 def accept_workdir(workdir: str, config, workflow, experiment: str | None = None) -> None:
   """Record the accepted run in `workdir` (call after `check_workdir` and every other check)."""
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, CONFIG_FILE), config_values(config))
-  owner = _read_json(os.path.join(workdir, RUN_FILE)) or {}
-  _write_json(os.path.join(workdir, RUN_FILE),
-              {'workflow': workflow_id(workflow),
-               'experiment': owner.get('experiment') or experiment})
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    _write_json(os.path.join(workdir, CONFIG_FILE), config_values(config))
+    owner = _read_json(os.path.join(workdir, RUN_FILE)) or {}
+    _write_json(os.path.join(workdir, RUN_FILE),
+                {'workflow': workflow_id(workflow),
+                 'experiment': owner.get('experiment') or experiment})
+  except OSError as e:  # e.g. a read-only file system, a full disk
+    raise WorkdirError(f'--workdir {workdir} cannot be written: {e}. Fix: give a folder you '
+                       'can write in, with free space.') from None

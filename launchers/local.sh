@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (once) and run an experiment on this machine.
+# Set up (or complete) the virtual environment, then run an experiment on this machine.
 #   launchers/local.sh [CONFIG] [WORKDIR] [extra flags, e.g. --config.steps=50]
 # CONFIG defaults to the default experiment, WORKDIR to runs/<config name>.
 set -euo pipefail
@@ -7,11 +7,7 @@ cd "$(dirname "$0")/.."
 config=${1:-experiments/hierarchical_assistant.py}
 workdir=${2:-runs/$(basename "${config%%:*}" .py)}
 shift $(( $# < 2 ? $# : 2 ))
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install -q -r requirements.txt
-  .venv/bin/pip install -q --no-deps -e .
-fi
+source launchers/venv.sh  # makes or completes .venv (the same recipe as test.sh)
 # Eight host devices give every agent its own mesh on a CPU-only machine; on GPU/TPU
 # machines the flag only affects the host platform.
 export XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=8}

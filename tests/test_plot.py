@@ -65,9 +65,32 @@ def test_plot_workdir_writes_decodable_images(tmp_path):
     plot.plot_workdir(str(tmp_path), steps=[9])
 
 
+def test_moving_mean_smooths_and_skips_nan():
+  np.testing.assert_allclose(plot.moving_mean([1, 2, 3, 4], 2), [1, 1.5, 2.5, 3.5])
+  np.testing.assert_allclose(plot.moving_mean([1, 2, 3, 4], 1), [1, 2, 3, 4])
+  np.testing.assert_allclose(plot.moving_mean([np.nan, 2, np.nan, 4, 6], 3),
+                             [np.nan, 2, 2, 3, 5])
+  assert (plot.auto_window(6), plot.auto_window(1500)) == (1, 60)
+
+
+def test_learning_curves_are_smoothed_with_the_raw_values_behind(tmp_path, monkeypatch):
+  lines = [{'step': s, 'agent': 'solver', 'reward_mean': float(s % 2), 'accuracy': 1.0}
+           for s in range(1, 101)]
+  drawn = []
+  monkeypatch.setattr(plot.plt, 'close', drawn.append)  # keep the figure to look at it
+  plot.plot_learning(lines, str(tmp_path / 'learning.png'), window=10)
+  reward = drawn[0].axes[0]
+  faint, smooth = reward.get_lines()
+  assert faint.get_alpha() < 0.5 and smooth.get_label() == 'solver (mean of 10)'
+  np.testing.assert_array_equal(faint.get_ydata(), [s % 2 for s in range(1, 101)])
+  assert np.ptp(smooth.get_ydata()[10:]) <= 0.1  # the alternation averaged out
+  _check_png(str(tmp_path / 'learning.png'))
+
+
 def test_plot_command_line(tmp_path):
   workdir = _workdir(tmp_path)
-  out = subprocess.run([sys.executable, '-m', 'flexmarl.plot', workdir, '--steps=2'], cwd=ROOT,
+  out = subprocess.run([sys.executable, '-m', 'flexmarl.plot', workdir, '--steps=2',
+                        '--smooth=3'], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=True).stdout
   assert out.split() == [os.path.join(workdir, 'plots', n)
                          for n in ('learning.png', 'utilization.png', 'gantt_step2.png')]

@@ -133,8 +133,35 @@ def test_torn_line_in_the_middle_is_reported_and_counts_stay_right(tmp_path):
 def test_deleted_metrics_file_is_reported_on_resume(tmp_path):
   writer = MetricsWriter(str(tmp_path), resume_step=3)
   writer.close()
-  assert 'missing: steps 1..3 have no metrics lines' in writer.problems[0]
-  assert write_summary(str(tmp_path), 0.0)['steps'] == 0
+  assert 'missing: the metrics of steps 1..3 are lost' in writer.problems[0]
+  summary = write_summary(str(tmp_path), 0.0, steps=3)
+  assert summary['steps'] == 3 and summary['metrics_lost'] == '1..3'
+  assert 'steps 1..3 are lost' in summary['problems'][-1]
+
+
+def test_metrics_cut_mid_line_names_the_lost_steps(tmp_path):
+  """A file cut in the middle of step 2's lines: the torn line is reported, and so are the
+  steps after it that lost every line; the summary still counts the run's steps."""
+  _metrics(tmp_path, 4)
+  path = tmp_path / 'metrics.jsonl'
+  text = path.read_text()
+  path.write_text(text[:text.index('"step": 2') + 30])  # inside step 2's first line
+  writer = MetricsWriter(str(tmp_path), resume_step=4)
+  writer.write(5, 'solver', dict(reward_mean=0.5, accuracy=0.5, updated=1))
+  writer.close()
+  assert any('metrics.jsonl:3 skipped' in p for p in writer.problems), writer.problems
+  assert any('no lines for steps 2..4 of the 4' in p for p in writer.problems), writer.problems
+  summary = write_summary(str(tmp_path), 1.0, steps=5)
+  assert summary['steps'] == 5 and summary['metrics_lost'] == '2..4'
+  assert summary['agents']['solver']['updates'] == 2  # steps 1 and 5
+
+
+def test_lost_steps_are_named_as_ranges():
+  from flexmarl.metrics.writer import format_steps, lost_steps
+  lines = [{'step': s} for s in (1, 4, 5, 8)]
+  assert lost_steps(lines, 9) == [2, 3, 6, 7, 9]
+  assert format_steps([2, 3, 6, 7, 9]) == '2..3, 6..7, 9'
+  assert lost_steps(lines, 0) == []
 
 
 def test_first_ctrl_c_sets_the_flag_second_raises():

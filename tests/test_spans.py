@@ -136,3 +136,19 @@ def test_step_windows_overlap_in_a_pipeline_and_usage_counts_all_steps_spans():
   summary = ut.run_summary(spans)
   assert summary['window_s'] == 12 and summary['mean_step_wall_s'] == 8
   assert summary['groups']['train:a']['utilization'] == pytest.approx(8 / 12)
+
+
+def test_bound_by_in_the_summary_does_not_grow_with_the_run():
+  """A long run's summary holds counts per track and the last steps, not every step."""
+  bound_by = {step: 'train:a' if step % 3 else 'rollout:a/0' for step in range(1, 1201)}
+  summary = ut.bound_by_summary(bound_by, last=4)
+  assert summary['steps'] == {'train:a': 800, 'rollout:a/0': 400}
+  assert list(summary['steps']) == ['train:a', 'rollout:a/0']  # most first
+  assert summary['last_steps'] == {'1197': 'rollout:a/0', '1198': 'train:a',
+                                   '1199': 'train:a', '1200': 'rollout:a/0'}
+  spans = [Span('rollout:a/0', sp.GENERATE, 2 * i, 2 * i + 1, {'step': i}) for i in range(1, 31)]
+  spans += [Span('train:a', sp.MICRO_BATCH, 2 * i + 1, 2 * i + 1.5, {'step': i})
+            for i in range(1, 31)]
+  run = ut.run_summary(spans, last_steps=5)
+  assert run['bound_by']['steps'] == {'rollout:a/0': 30}
+  assert list(run['bound_by']['last_steps']) == ['26', '27', '28', '29', '30']

@@ -117,3 +117,42 @@ def test_bad_pool_configs_name_the_field_and_the_fix():
   p = _spec(_config(pool_devices=4)).placement
   assert [m.devices for m in p.pool] == [(0, 1), (2, 3)]
   assert [m[0].devices for m in p.rollout.values()] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+
+
+def test_pool_agents_start_from_their_checkpoint(tmp_path):
+  """In a training pool, an agent with `model.checkpoint` starts from its weights (the
+  trainer's state in host memory, its KL reference and its rollout's copy) and trains
+  from there, next to an agent initialised at random."""
+  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
+  import ml_collections
+
+  from experiments import make_tiny_hf
+  from flexmarl.config import agent_config
+  from flexmarl.models import hf, sharding
+  from flexmarl.run import build
+  folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
+  c = ml_collections.ConfigDict()
+  c.seed, c.steps, c.schedule, c.tokenizer = 0, 1, 'sync', folder
+  c.max_prompt_len, c.checkpoint_every = 10, 1
+  c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
+                    family='add', task_args={'max_operand': 4})
+  c.rollout = dict(query_concurrency=2, max_step_queries=8, devices='shared')
+  c.agents = {name: agent_config('tiny', group_size=4, global_batch=8, micro_batch=8,
+                                 sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2),
+                                 grpo=dict(kl_coef=0.1, entropy_coef=0.1))
+              for name in ('solver', 'verifier')}
+  c.agents.solver.model.checkpoint = folder
+  c.training = training_config(pool_devices=2)
+  team = build(c, str(tmp_path / 'run'), log=lambda *_: None)
+  model = team.spec.agents['solver'].model
+  expected = jax.device_get(hf.load_params(folder, model, sharding.param_shardings(
+      hf.abstract_params(model)[1], sharding.make_mesh(jax.devices()[:1], (1, 1)))))
+  solver = team.agents['solver']
+  for tree in (solver.trainer.params, solver.trainer.ref_params, solver.pool.params):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(tree), expected)
+  random_start = jax.tree.leaves(jax.device_get(team.agents['verifier'].trainer.params))
+  assert not np.array_equal(random_start[0], jax.tree.leaves(expected)[0])
+  team.run(lambda *_: None)
+  trained = _params(str(tmp_path / 'run'), 'solver', step=1)
+  moved = max(np.abs(x - y).max() for x, y in zip(trained, jax.tree.leaves(expected), strict=True))
+  assert 0 < moved < 0.05, moved  # one small step from the checkpoint

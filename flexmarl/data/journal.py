@@ -93,19 +93,33 @@ def group_ref(g: Group) -> dict:
               correct=g.correct.tolist())
 
 
+class CarriedRowsLost(RuntimeError):
+  """A checkpoint carries rows that its agent's store table no longer holds: the table was
+  deleted (`unreadable` False) or cannot be read, e.g. a truncated chunk (`unreadable` True)."""
+
+  def __init__(self, agent: str, cause: str, unreadable: bool):
+    super().__init__(f'agent {agent!r}: the checkpoint carries rows that the store does not '
+                     f'hold with reward and advantage: {cause}')
+    self.agent, self.cause, self.unreadable = agent, cause, unreadable
+
+
 def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) -> list[Group]:
-  """The groups `refs` name, read back from the agent's store table (one read)."""
+  """The groups `refs` name, read back from the agent's store table (one read); raises
+  CarriedRowsLost when the table lost them."""
   ids = [s for ref in refs for s in ref['sample_ids']]
-  inconsistent = (f'agent {agent!r}: the checkpoint carries rows that the store does not hold '
-                  'with reward and advantage')
   try:
+    missing = store.missing(agent, ids)
+    if missing:
+      raise CarriedRowsLost(agent, f'{len(missing)} rows are not in its table, e.g. '
+                            f'{missing[:3]}', unreadable=False)
     rows = {r.sample_id: r for r in store.read(agent, sample_ids=ids,
                                                 ready=('reward', 'advantage'))}
-  except ValueError as e:  # rows missing altogether
-    raise RuntimeError(f'{inconsistent}: {e}. The workdir is inconsistent.') from e
+  except ValueError as e:  # TensorStore's read errors (a damaged chunk) are ValueErrors
+    raise CarriedRowsLost(agent, f'its table cannot be read ({e})', unreadable=True) from e
   missing = [s for s in ids if s not in rows]
   if missing:
-    raise RuntimeError(f'{inconsistent}: {missing[:5]}. The workdir is inconsistent.')
+    raise CarriedRowsLost(agent, f'{len(missing)} rows lack their reward or advantage, e.g. '
+                          f'{missing[:3]}', unreadable=False)
   out = []
   for ref in refs:
     mine = [rows[s] for s in ref['sample_ids']]

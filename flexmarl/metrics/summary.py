@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from flexmarl.metrics.writer import TEAM, scan_metrics
+from flexmarl.metrics.writer import TEAM, format_steps, lost_steps, scan_metrics
 
 
 def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]]) -> str:
@@ -50,12 +50,21 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
 
 
 def write_summary(workdir: str, wall_s: float, utilization: dict | None = None,
-                  window: int = 5) -> dict:
+                  window: int = 5, steps: int | None = None) -> dict:
   """`summarize` the workdir's metrics.jsonl into summary.json; lines that could not be
-  read are listed under 'problems'. `utilization`: busy fractions per device group."""
+  read are listed under 'problems'. `utilization`: busy fractions per device group.
+  `steps`: the run's step; the summary then counts it, and lists the steps before it
+  whose metrics lines are lost under 'metrics_lost'."""
   lines, problems = scan_metrics(os.path.join(workdir, 'metrics.jsonl'))
   summary = summarize(lines, wall_s, window)
   summary['utilization'] = utilization or {}
+  if steps is not None:
+    summary['steps'] = steps
+    lost = lost_steps(lines, steps)
+    if lost:
+      summary['metrics_lost'] = format_steps(lost)
+      problems.append(f'the metrics lines of steps {format_steps(lost)} are lost (the file was '
+                      'deleted or cut); per-agent figures cover the other steps.')
   if problems:
     summary['problems'] = problems
   with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:

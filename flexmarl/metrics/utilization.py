@@ -15,8 +15,9 @@ that ends last, each link the span that ended last before the next one started.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.metrics.spans import Span, group_of
 
@@ -152,8 +153,18 @@ def step_scalars(entry: dict) -> dict[str, float]:
   return out
 
 
-def run_summary(spans: Sequence[Span]) -> dict:
-  """Whole-run usage per group and the mean step wall, JSON-ready for summary.json."""
+def bound_by_summary(bound_by: Mapping[int, str], last: int) -> dict:
+  """Which track bound the steps, in a size that does not grow with the run: how many
+  steps each track bound (most first), and the track of each of the `last` steps."""
+  counts = collections.Counter(bound_by.values())
+  recent = sorted(bound_by)[-last:] if last > 0 else []
+  return {'steps': dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+          'last_steps': {str(step): bound_by[step] for step in recent}}
+
+
+def run_summary(spans: Sequence[Span], last_steps: int = 20) -> dict:
+  """Whole-run usage per group, the mean step wall and what bound the steps (counts, and
+  the last `last_steps` steps), JSON-ready for summary.json."""
   if not spans:
     return {}
   window = span_window(spans)
@@ -163,4 +174,5 @@ def run_summary(spans: Sequence[Span]) -> dict:
   return {'window_s': window[1] - window[0],
           'groups': {g: u.as_dict() for g, u in groups.items()},
           'mean_step_wall_s': sum(walls) / len(walls) if walls else None,
-          'bound_by': {str(step): e['bound_by'] for step, e in steps.items()}}
+          'bound_by': bound_by_summary({s: e['bound_by'] for s, e in steps.items()},
+                                       last_steps)}

@@ -26,8 +26,9 @@ class MetricsWriter:
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self.problems: list[str] = []  # what was wrong with the file on resume, for the log
     if resume_step and not os.path.exists(self.path):
-      self.problems.append(f'{self.path} is missing: steps 1..{resume_step} have no metrics '
-                           'lines (the run resumes; summary.json covers only the steps written).')
+      self.problems.append(f'{self.path} is missing: the metrics of steps 1..{resume_step} '
+                           'are lost (the run resumes; summary.json lists them under '
+                           "'metrics_lost').")
     self._truncate_after(resume_step)
     self._file = open(self.path, 'a', encoding='utf-8')
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
@@ -38,6 +39,11 @@ class MetricsWriter:
     lines, problems = scan_metrics(self.path)
     self.problems += problems
     kept = [line for line in lines if line['step'] <= step]
+    lost = lost_steps(kept, step)
+    if lost:
+      self.problems.append(f'{self.path} has no lines for steps {format_steps(lost)} of the '
+                           f'{step} the run resumes after (the file was cut or edited): their '
+                           "metrics are lost; summary.json lists them under 'metrics_lost'.")
     tmp = self.path + '.tmp'
     with open(tmp, 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(line) + '\n' for line in kept)
@@ -72,6 +78,22 @@ def scan_metrics(path: str) -> tuple[list[dict], list[str]]:
       except ValueError as e:  # JSONDecodeError is a ValueError
         problems.append(f'{path}:{number} skipped, it does not parse ({e}): {raw[:80]!r}')
   return lines, problems
+
+
+def lost_steps(lines: list[dict], steps: int) -> list[int]:
+  """Steps 1..`steps` without a single metrics line."""
+  return sorted(set(range(1, steps + 1)) - {line['step'] for line in lines})
+
+
+def format_steps(steps: list[int]) -> str:
+  """[1, 2, 3, 5] → '1..3, 5'."""
+  runs: list[list[int]] = []
+  for step in steps:
+    if runs and step == runs[-1][1] + 1:
+      runs[-1][1] = step
+    else:
+      runs.append([step, step])
+  return ', '.join(f'{a}..{b}' if b > a else str(a) for a, b in runs)
 
 
 def read_metrics(path: str) -> list[dict]:

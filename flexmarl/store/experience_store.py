@@ -175,6 +175,23 @@ class ExperienceStore:
       self._update_status(table, rows, set_bits=BIT['consumed'] if consumed else 0,
                           clear_bits=0 if consumed else BIT['consumed'])
 
+  def set_aside(self, agent: str) -> str:
+    """Move `agent`'s table (one that cannot be read) to a new name beside it, kept as it
+    is, and start an empty table in its place; returns where it went (local folders only)."""
+    with self._lock:
+      self._table(agent)
+      spec = self._root.spec().to_json()
+      if spec.get('driver') != 'file':
+        raise ValueError(f'store {spec}: only a local folder can set a table aside; move '
+                         f'{agent}/ away by hand and reopen the store.')
+      folder = os.path.join(spec['path'], agent)
+      n = 1
+      while os.path.exists(f'{folder}.damaged{n}'):
+        n += 1
+      os.rename(folder, f'{folder}.damaged{n}')
+      self._tables[agent] = open_table(self._root, agent)
+      return f'{folder}.damaged{n}'
+
   # --- reads -----------------------------------------------------------------------------------
 
   def read(self, agent: str, *, version: int | Iterable[int] | None = None,
@@ -189,6 +206,13 @@ class ExperienceStore:
     table, index, rows, status = self._select(agent, version, ready, consumed, sample_ids,
                                               need_status=True)
     return load_rows(table, index, rows, status)
+
+  def missing(self, agent: str, sample_ids: Sequence[str]) -> list[str]:
+    """The ids among `sample_ids` that no committed row has (reads only the index)."""
+    with self._lock:
+      table = self._table(agent)
+      refresh_table(table)
+      return [s for s in sample_ids if s not in table.row_of]
 
   def count(self, agent: str, *, version: int | Iterable[int] | None = None,
             ready: str | Iterable[str] = (), consumed: bool | None = None,

@@ -59,6 +59,36 @@ class Episode:
       self.correct[sid] = bool(correct)
 
 
+def ordered_pairs(field: str, value: Any) -> list[tuple[str, Any]]:
+  """`value`, a list of (key, value) pairs whose order means something, as a list of tuples.
+
+  A dict cannot carry that order through a config: ml_collections' ConfigDict sorts its
+  keys, so `{'reverse': ..., 'add': ...}` would reach the workflow as `add, reverse`. A
+  mapping of more than one entry is therefore refused, with the list to write instead.
+  """
+  if isinstance(value, Mapping) or hasattr(value, 'to_dict'):  # a dict or a ConfigDict
+    items = list(value.items())
+    if len(items) > 1:
+      pairs = ', '.join(f'({k!r}, {v!r})' for k, v in items)
+      raise ValueError(f'workflow.{field} is a dict, whose order a config loses (ConfigDict '
+                       f'sorts its keys: {[k for k, _ in items]}). Fix: give a list of pairs in '
+                       f'the order you mean, e.g. {field}=[{pairs}].')
+    return [(str(k), v) for k, v in items]
+  if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    raise ValueError(f'workflow.{field}={value!r}: give a list of (key, value) pairs.')
+  pairs = []
+  for item in value:
+    if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+      raise ValueError(f'workflow.{field}: {item!r} is not a (key, value) pair; give a list '
+                       'of pairs, e.g. [("reverse", "reverser"), ("add", "adder")].')
+    pairs.append((str(item[0]), item[1]))
+  keys = [k for k, _ in pairs]
+  repeated = sorted({k for k in keys if keys.count(k) > 1})
+  if repeated:
+    raise ValueError(f'workflow.{field} names {repeated} more than once; name each key once.')
+  return pairs
+
+
 def reward_value(reward: Any, sample_id: str) -> float:
   """`reward` as a float; raises unless it is a finite real number (not a string, not None)."""
   if isinstance(reward, (str, bytes)) or not isinstance(reward, numbers.Real):

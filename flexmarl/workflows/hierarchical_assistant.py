@@ -24,15 +24,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from flexmarl.workflows import tasks
-from flexmarl.workflows.base import AgentClient, Episode, Query
+from flexmarl.workflows.base import AgentClient, Episode, Query, ordered_pairs
 
 
 class HierarchicalAssistant:
 
-  def __init__(self, router: str, specialists: Mapping[str, str], zipf: float = 1.0,
+  def __init__(self, router: str, specialists: Sequence[tuple[str, str]], zipf: float = 1.0,
                router_reward: str = 'routing', task_args: Mapping[str, Mapping] | None = None):
-    """specialists: task family -> agent name, in order of query frequency."""
-    unknown = [f for f in specialists if f not in tasks.FAMILIES]
+    """specialists: (task family, agent name) pairs, the most frequent family first; the
+    order sets the Zipf skew and the index by which the router names each specialist."""
+    specialists = ordered_pairs('specialists', specialists)
+    unknown = [f for f, _ in specialists if f not in tasks.FAMILIES]
     if unknown:
       raise ValueError(f'workflow.specialists names unknown task families {unknown}; '
                        f'known families: {sorted(tasks.FAMILIES)}.')
@@ -41,7 +43,7 @@ class HierarchicalAssistant:
     if len(specialists) > 10:
       raise ValueError('workflow.specialists: at most 10 (the router names them by one digit).')
     self.router = router
-    self.families = list(specialists)
+    self.families = [family for family, _ in specialists]
     self.specialists = dict(specialists)
     self.probs = tasks.zipf_probs(len(self.families), zipf)
     self.router_reward = router_reward
