@@ -6,11 +6,14 @@ as a string, a workflow that never calls generate, another experiment's workdir.
 """
 
 import asyncio
+import concurrent.futures
 import glob
 import json
 import math
 import os
+import re
 import shutil
+import threading
 
 import ml_collections
 import numpy as np
@@ -293,6 +296,30 @@ def test_bad_workflow_is_refused_before_any_work(tmp_path, case):
 def test_workflow_that_hangs_is_named():
   with pytest.raises(WorkflowError, match='query q0: workflow.run did not finish within 0.2s'):
     dry_run(_variant(run=_hang), {'solver': 2}, seed=0, timeout_s=0.2)
+
+
+def test_query_whose_sampler_never_finishes_is_named(tmp_path, monkeypatch):
+  """Bug: `rollout.query_timeout_s` not reaching the engine, or never checked there."""
+  from flexmarl.rollout.sampler import EmbeddedSampler
+  never = concurrent.futures.Future()
+  monkeypatch.setattr(EmbeddedSampler, 'submit', lambda *_, **__: never)
+  c = small_config()
+  c.rollout.query_timeout_s = 0.5
+  errors = []
+
+  def run():
+    try:
+      train(c, str(tmp_path), log=lambda *_: None)
+    except WorkflowError as e:
+      errors.append(str(e))
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(timeout=120)  # generous: building the team takes seconds on a busy machine
+  hung = thread.is_alive()
+  never.set_exception(RuntimeError('the test is over'))  # lets a hung run end
+  assert not hung, 'the query never timed out'
+  assert len(errors) == 1 and re.search(r'query q[01]: .*within 0.5s', errors[0]), errors
 
 
 def test_check_episode_per_field():

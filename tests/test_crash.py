@@ -2,15 +2,20 @@
 
 The run is `python -m flexmarl.main` on the solver/verifier experiment (under
 `flexmarl`, and under `async:1`, where rows are served while an update runs), killed
-five times at different moments (during start-up, rollout, store
-writes, training steps and checkpoint saves all happen within the windows drawn) and
-restarted each time, then left to finish. After every kill the store's committed rows
-are recorded; at the end each of them must still be there, identical, exactly once, and
-the run must end with the same parameters as a run that was never interrupted.
+five times, each a random fraction of a second after it logged a chosen step (so the
+kills land in start-up of the next step, rollout, store writes, training steps and
+checkpoint saves), and restarted each time, then left to finish. Two of the kills come
+after the step that trained on the rows a checkpoint carries over, before the next
+checkpoint: those restarts resume from a checkpoint whose rows must be read back from
+the store, unconsumed. After every kill the store's committed rows are recorded; at
+the end each of them must still be there, identical, exactly once, the rows marked
+consumed must be those the checkpointed updates trained on, and the run must end with
+the same parameters as a run that was never interrupted.
 """
 
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -33,9 +38,9 @@ FLAGS = [f'--config.steps={STEPS}', '--config.checkpoint_every=3',
          '--config.rollout.query_concurrency=4', '--config.rollout.max_step_queries=5']
 
 
-def _train(workdir, schedule, kill_after_steps=None, delay=0.0):
-  """Run the trainer; with `kill_after_steps`, SIGKILL it `delay` s after it has logged
-  that many steps (counted in this process: a restarted run resumes first)."""
+def _train(workdir, schedule, kill_after_step=None, delay=0.0):
+  """Run the trainer; with `kill_after_step`, SIGKILL it `delay` s after it has logged
+  that step of the run."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              PYTHONUNBUFFERED='1')
   proc = subprocess.Popen(
@@ -44,11 +49,10 @@ def _train(workdir, schedule, kill_after_steps=None, delay=0.0):
       stderr=subprocess.STDOUT, text=True)
   watchdog = threading.Timer(300, proc.kill)
   watchdog.start()
-  output, steps = [], 0
+  output = []
   for line in proc.stdout:
     output.append(line)
-    steps += line.startswith('step ')
-    if kill_after_steps is not None and steps == kill_after_steps and line.startswith('step '):
+    if kill_after_step is not None and line.startswith(f'step {kill_after_step}/'):
       threading.Timer(delay, proc.kill).start()
   proc.wait()
   watchdog.cancel()
@@ -73,11 +77,33 @@ def _params(workdir, agent):
   return jax.tree.leaves(ocp.StandardCheckpointer().restore(os.path.abspath(path))['params'])
 
 
-def _carried(workdir, agent):
-  """Rows the agent's kept checkpoints carry over to the next step."""
-  root = os.path.join(workdir, 'checkpoints', agent)
-  return sum(len(ocp.JsonCheckpointHandler().restore(epath.Path(root) / step / 'meta')['buffer'])
-             for step in os.listdir(root) if step.isdigit())
+def _carried(workdir):
+  """Per kept checkpoint step, the rows the agents' checkpoints carry over to the next step."""
+  out = {}
+  for agent in AGENTS:
+    root = os.path.join(workdir, 'checkpoints', agent)
+    for step in os.listdir(root) if os.path.isdir(root) else ():
+      if step.isdigit():
+        meta = ocp.JsonCheckpointHandler().restore(epath.Path(root) / step / 'meta')
+        out.setdefault(int(step), set()).update(
+            (agent, s) for ref in meta['buffer'] for s in ref['sample_ids'])
+  return out
+
+
+def _resumed_from(output):
+  """The checkpoint step a run's log says it resumed from; 0 for a fresh start."""
+  found = re.search(r'resumed from step (\d+)', output)
+  return int(found.group(1)) if found else 0
+
+
+def _consumed(workdir):
+  with ExperienceStore.open(os.path.join(workdir, 'store'), agents=AGENTS) as store:
+    return {a: {r.sample_id for r in store.read(a, consumed=True)} for a in AGENTS}
+
+
+# Logged steps to kill after: checkpoints are at 3, 6, 9 and 12, and those of 3 and 9
+# carry rows; steps 4 and 10 train on them.
+KILL_AFTER = (2, 4, 6, 8, 10)
 
 
 @pytest.mark.parametrize('schedule', ['flexmarl', 'async:1'])
@@ -85,19 +111,20 @@ def test_sigkill_at_random_moments(tmp_path, schedule):
   rng = random.Random(0)
   crashed, straight = str(tmp_path / 'crashed'), str(tmp_path / 'straight')
   committed = {a: {} for a in AGENTS}
-  kills = 0
-  while kills < 5:
-    rc, out = _train(crashed, schedule, kill_after_steps=rng.randint(1, 2), delay=rng.uniform(0.0, 0.4))
-    if rc == 0:  # the run got to its end before the kill landed
-      break
-    assert rc == -9, out[-3000:]
-    kills += 1
+  resumed_with_rows = 0
+  for kill_after in KILL_AFTER:
+    carried = _carried(crashed)
+    rc, out = _train(crashed, schedule, kill_after_step=kill_after, delay=rng.uniform(0.0, 0.3))
+    assert rc == -9, f'killed after step {kill_after}: rc={rc}\n{out[-3000:]}'
+    resumed_with_rows += bool(carried.get(_resumed_from(out)))
     if os.path.exists(os.path.join(crashed, 'store')):
       for agent, rows in _rows(crashed).items():
         committed[agent].update(rows)
-  assert kills >= 5, f'only {kills} kills landed'
+  carried = _carried(crashed)
   rc, out = _train(crashed, schedule)
   assert rc == 0, out[-3000:]
+  resumed_with_rows += bool(carried.get(_resumed_from(out)))
+  assert resumed_with_rows, 'no restart resumed from a checkpoint that carries rows'
 
   final = _rows(crashed)
   for agent in AGENTS:
@@ -111,11 +138,19 @@ def test_sigkill_at_random_moments(tmp_path, schedule):
   for agent in AGENTS:
     assert sorted(l['step'] for l in lines if l['agent'] == agent) == list(range(1, STEPS + 1))
   assert os.path.exists(os.path.join(crashed, 'summary.json'))
+  # Consumed: every row the updates trained on (all checkpointed at the last step), none
+  # of those the last checkpoint carries.
+  consumed = _consumed(crashed)
+  last = _carried(crashed)[STEPS]
+  for agent in AGENTS:
+    trained = sum(l['rows'] for l in lines if l['agent'] == agent and l['updated'])
+    assert len(consumed[agent]) == trained > 0, agent
+    assert not {(agent, s) for s in consumed[agent]} & last, agent
 
   rc, out = _train(straight, schedule)
   assert rc == 0, out[-3000:]
   assert final == _rows(straight), 'the crashed run served other rows than an uninterrupted one'
+  assert consumed == _consumed(straight), 'the crashed run marked other rows consumed'
   for agent in AGENTS:
     for x, y in zip(_params(crashed, agent), _params(straight, agent), strict=True):
       np.testing.assert_allclose(x, y, atol=1e-6)
-  assert all(_carried(straight, agent) for agent in AGENTS), 'no checkpoint carried rows'

@@ -46,9 +46,10 @@ def _on_policy(trainer, prompts, responses, adv, temperature=1.0):
   return b
 
 
-def test_one_step_loss_and_gradient_match_a_reference(loss_norm='token'):
-  """Bug: the accumulated gradient not divided by the global batch's token count (the
-  divisor itself, also Dr. GRPO's, is tested in test_grpo.py)."""
+@pytest.mark.parametrize('loss_norm', ['token', 'constant'])
+def test_one_step_loss_and_gradient_match_a_reference(loss_norm):
+  """Bugs: the accumulated gradient not divided by the global batch's token count, or
+  Dr. GRPO's constant normaliser (rows × max_new_tokens) not applied."""
   cfg = grpo.GRPOConfig(loss_norm=loss_norm, max_new_tokens=4)
   t = _trainer(cfg)
   prompts, responses, adv = _rows(0, 6)
@@ -170,7 +171,10 @@ def test_advantages_trained_and_stored_are_group_advantages(tmp_path, monkeypatc
 
   monkeypatch.setattr(AgentTrainer, 'accumulate', recording)
   c = small_config(steps=2)
-  c.agents.solver.micro_batch = 4  # two micro-batches of one group each
+  # Four groups of 4 a step, in two micro-batches of two groups: normalising over a
+  # micro-batch would differ from normalising over each group.
+  c.rollout.query_concurrency = c.rollout.max_step_queries = 4
+  c.agents.solver.global_batch, c.agents.solver.micro_batch = 16, 8
   c.agents.solver.grpo.normalize_std = True
   train(c, str(tmp_path), Spread(), log=lambda *_: None)
   with ExperienceStore.open(tmp_path / 'store', ['solver']) as store:
@@ -185,6 +189,6 @@ def test_advantages_trained_and_stored_are_group_advantages(tmp_path, monkeypatc
     np.testing.assert_allclose([r.advantage for r in members], adv, rtol=1e-5, atol=1e-6)
     expected.append(adv)
   assert any(np.ptp(g) > 0 for g in expected), 'no group had a reward spread'
-  assert len(received) == 4  # 2 steps x 2 micro-batches, in store order
+  assert len(received) == 4 and all(len(r) == 8 for r in received)  # 2 steps x 2, in order
   np.testing.assert_allclose(np.concatenate(received), np.concatenate(expected), rtol=1e-5,
                              atol=1e-6)

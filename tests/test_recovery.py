@@ -95,6 +95,29 @@ def test_commit_claiming_unwritten_rows_is_trimmed_without_phantoms(tmp_path):
   assert ExperienceStore.open(tmp_path, ['a']).recovered == []
 
 
+def test_commit_with_the_right_rows_but_inflated_ends_is_trimmed(tmp_path):
+  """Bug: a commit checked by its row count only; the next append then lands past the
+  real data, and reopening drops it."""
+  with ExperienceStore.open(tmp_path, ['a']) as store:
+    store.append('a', _rows(5))
+  path = tmp_path / 'a' / 'commit.json'
+  commit = json.loads(path.read_text())
+  path.write_text(json.dumps(dict(commit, sample_ids=commit['sample_ids'] + 24,
+                                  prompt_ids=commit['prompt_ids'] + 3,
+                                  response_ids=commit['response_ids'] + 7)))
+  store = ExperienceStore.open(tmp_path, ['a'])
+  assert len(store.recovered) == 1 and 'claimed 5 rows' in store.recovered[0]
+  assert json.loads(path.read_text()) == commit
+  store.append('a', _rows(1, start=5))
+  store.close()
+  store = ExperienceStore.open(tmp_path, ['a'])
+  assert store.recovered == []
+  rows = store.read('a')
+  assert [r.sample_id for r in rows] == [f'q{i}_0_0' for i in range(6)]
+  assert rows[-1].response_ids.tolist() == [3, 4, 5] and rows[-1].prompt_ids.tolist() == [1, 2]
+  store.close()
+
+
 def test_deleted_store_says_what_to_do(tmp_path):
   store = ExperienceStore.open(tmp_path, ['a'])
   store.append('a', _rows(2))

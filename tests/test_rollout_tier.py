@@ -1,6 +1,7 @@
 """The streaming rollout tier: admission, concurrent instances, routing, balancing."""
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
 
@@ -156,6 +157,50 @@ def test_router_keeps_outstanding_tokens_within_one_request():
   assert least_loaded([5, 3, 3]) == 1
 
 
+class Recording(SlowEcho):
+  """SlowEcho that keeps every prompt row it was asked to sample."""
+
+  def __init__(self):
+    super().__init__(delay_s=0.0)
+    self.rows = []
+
+  def submit(self, prompts, keys, params, limits=None):
+    self.rows += [tuple(p) for p in prompts]
+    return super().submit(prompts, keys, params, limits)
+
+
+class Fanout:
+  """One query asks agent a for a long prompt once, then three short prompts twice,
+  all at the same time."""
+
+  ASKS = (('9' * 30, 1), ('1', 2), ('2', 2), ('3', 2))
+
+  def agent_names(self):
+    return ['a']
+
+  async def run(self, query, agents):
+    ep = Episode()
+    for group in await asyncio.gather(*(agents['a'].generate(p, n=n) for p, n in self.ASKS)):
+      for c in group:
+        ep.score(c, 0.0)
+    return ep
+
+
+def test_router_balances_tokens_not_requests():
+  """Bug: the router counting requests (or rows) instead of prompt + n × max_new_tokens.
+
+  Token costs 33, 6, 6, 6 (BOS + prompt + n × 2): the long request fills instance 0, the
+  three short ones go to instance 1; counting requests or rows would put two on each."""
+  samplers = [Recording(), Recording()]
+  pool = InstancePool('a', [Instance(f'a/{i}', (i,), s) for i, s in enumerate(samplers)], None)
+  engine = RolloutEngine({'a': pool}, {'a': SP}, {'a': 1}, TOK, seed=0, concurrency=1)
+  engine.run(Fanout(), [Query('q0', 'x')])
+  cost = {tuple(TOK.encode(p)): len(TOK.encode(p)) + n * SP.max_new_tokens for p, n in Fanout.ASKS}
+  served = [sum(cost[p] for p in set(s.rows)) for s in samplers]
+  assert served == [31 + 2, 3 * (2 + 2 * 2)]
+  assert [sorted(collections.Counter(s.rows).values()) for s in samplers] == [[1], [2, 2, 2]]
+
+
 def test_sticky_conversations_stay_on_one_instance():
   class Never:
     version = 0
@@ -184,6 +229,16 @@ def test_balancer_moves_toward_the_hot_agent_and_respects_minimums():
   # instances only move between agents of the same shape
   limits = dict(LIMITS, b=bal.Limits(1, 4, (2, 1)), c=bal.Limits(1, 4, (2, 1)))
   assert bal.decide({'a': 1000.0, 'b': 0.0, 'c': 0.0}, {'a': 1, 'b': 2, 'c': 2}, limits, 5) is None
+
+
+def test_balancer_gives_the_instance_to_the_hottest_of_three_agents():
+  """Bug: the target taken from the wrong end of the load order (with two agents the
+  only candidate is the right one)."""
+  move = bal.decide({'a': 1000.0, 'b': 100.0, 'c': 0.0}, {'a': 1, 'b': 1, 'c': 2}, LIMITS, 5.0)
+  assert (move.source, move.target) == ('c', 'a')
+  move = bal.decide({'a': 0.0, 'b': 100.0, 'c': 1000.0, 'd': 0.0},
+                    {'a': 2, 'b': 1, 'c': 1, 'd': 2}, dict(LIMITS, d=LIMITS['a']), 5.0)
+  assert (move.source, move.target) == ('a', 'c')
 
 
 def test_balancer_cooldown_stops_thrashing():

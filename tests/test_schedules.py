@@ -124,6 +124,9 @@ def test_dynamic_sampling_keeps_sync_equal_to_flexmarl(dynamic_runs):
   lines = [l for l in _lines(dynamic_runs['flexmarl']) if l['agent'] != 'team']
   assert sum(l['filtered_rows'] for l in lines) > 0
   assert sum(l['updated'] for l in lines) >= 3
+  for schedule in ('sync', 'flexmarl'):  # the dropped groups are never trained on
+    updates = [l for l in _lines(dynamic_runs[schedule]) if l['agent'] != 'team' and l['updated']]
+    assert [l['zero_spread'] for l in updates] == [0.0] * len(updates), schedule
   # The same rows, cut the same way; behaviour logprobs computed in sampler batches of
   # other sizes differ in their last bits, which Adam's normalisation of near-zero
   # gradient entries can magnify on these tiny batches (8 and 16 rows).

@@ -2,11 +2,16 @@
 out on paper gives the step time computed by hand, for every schedule."""
 
 import json
+import tempfile
 
 import ml_collections
 import pytest
 
+from flexmarl.clock import SimClock
+from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.sim.run import simulate
+from flexmarl.sim.team import build_sim_team, sim_team_spec, sim_workflow
+from flexmarl.tokenizer import build_char_tokenizer
 
 # Router `a` then specialist `b`, one query at a time, one instance each; 2 queries fill
 # both batches (group 2, global batch 4, micro-batch 2 = one group).
@@ -74,3 +79,45 @@ def test_this_machine_setup_simulates(tmp_path):
   assert len(r.step_times) == 3 and 0 < r.queries <= 96
   with pytest.raises(ValueError, match='unknown keys'):
     this_machine.get_config('zipf=2')
+
+
+def test_the_balancer_uses_the_setups_threshold():
+  """Bug: the simulated team built with the paper's Δ = 5 whatever the setup says."""
+  moves = {}
+  for threshold in (2, 5, 1000):
+    setup = _setup()
+    setup.steps, setup.balance_threshold = 2, threshold
+    for agent in ('a', 'b'):
+      setup.agents[agent].instances = 2
+    moves[threshold] = simulate(setup, 'flexmarl').rebalances
+  assert moves[2] > moves[5] > moves[1000] == 0, moves
+
+
+def test_async_steps_end_with_a_batch_at_the_post_update_version():
+  """Bug: `async:k`'s rollout stopping once rows are fresh for the versions *before* this
+  step's updates; rows one version too old then go stale, and the next step cannot update.
+
+  Router a (batch 2) and specialists b (batch 4) and c (batch 2) on a skewed mix: b and c
+  fill at different queries, so the others are served ahead and carry rows over."""
+  setup = _setup()
+  setup.steps = 8
+  setup.agents.c = setup.agents.b.to_dict()
+  setup.workflow.specialists = ['b', 'c']
+  for agent, batch in (('a', 2), ('b', 4), ('c', 2)):
+    setup.agents[agent].global_batch, setup.agents[agent].micro_batch = batch, 2
+  tokenizer = build_char_tokenizer()
+  spec = sim_team_spec(setup, 'async:1', False, tokenizer)
+  clock = SimClock()
+  agents = build_sim_team(spec, setup, clock, tokenizer)
+  with tempfile.TemporaryDirectory() as workdir:
+    orch = JointOrchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
+                             agents=agents)
+    try:
+      for step in range(1, setup.steps + 1):
+        lines = orch.run_step()
+        for name, agent in orch.agents.items():
+          assert lines[name]['updated'] == int(step > 1), (step, name)
+          fresh = orch.buffers[name].fresh_rows(agent.version)
+          assert fresh >= spec.agents[name].global_batch, (step, name, fresh)
+    finally:
+      orch.close()

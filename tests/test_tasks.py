@@ -31,6 +31,19 @@ def test_answers_are_right():
     assert s.answer == ''.join(sorted(s.prompt))
 
 
+@pytest.mark.parametrize('alphabet', [8, 26])
+def test_successor_is_the_next_letter_wrapping_at_the_end(alphabet):
+  rng = np.random.default_rng(2)
+  answers = {}
+  for _ in range(40 * alphabet):
+    t = tasks.successor(rng, alphabet=alphabet)
+    assert t.prompt[1:] == '>' and len(t.answer) == 1
+    answers[t.prompt[0]] = t.answer
+  letters = 'abcdefghijklmnopqrstuvwxyz'[:alphabet]
+  assert answers == {c: letters[(i + 1) % alphabet] for i, c in enumerate(letters)}
+  assert answers[letters[-1]] == 'a'
+
+
 def test_partial_credit():
   assert tasks.partial_credit('cba', 'cba') == 1.0
   assert tasks.partial_credit('cbx', 'cba') == pytest.approx(2 / 3)

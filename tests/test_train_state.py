@@ -3,6 +3,7 @@ bit-identically; a trainer that moves between meshes trains exactly like one tha
 moves."""
 
 import concurrent.futures
+import dataclasses
 
 import jax
 import numpy as np
@@ -107,6 +108,19 @@ def test_prefetch_gives_the_moved_state(tmp_path):
   assert transfer.source == 'storage' and transfer.bytes == t.state.nbytes
   _assert_same(t.state, state)
   assert state.placement == t.state.placement
+
+
+def test_a_state_keeps_its_version_through_moves_and_load(tmp_path):
+  """Bug: the version taken from the `like` state (or lost on a move) instead of the
+  saved one."""
+  like = state_lib.AgentState(params={'w': np.arange(6.0)}, opt_state={'m': np.ones(6)},
+                              version=0, rng=np.zeros(2, np.uint32), placement=OnHost())
+  start = dataclasses.replace(like, version=7, params={'w': np.arange(6.0) * 2})
+  stored, _ = state_lib.move(start, InStorage(str(tmp_path / 's')))
+  back, _ = state_lib.move(stored, OnHost())
+  assert (stored.version, back.version) == (7, 7)
+  loaded, _ = state_lib.load(str(tmp_path / 's'), like, OnHost())  # `like` is version 0
+  _assert_same(start, loaded)
 
 
 def test_unbound_trainer_and_wrong_layout_fail_clearly():
