@@ -106,7 +106,7 @@ def check_fits(shares: Shares, device_bytes: int, jax_needs: Mapping[int, Mappin
   states, sampler copies of weights); `engine_needs`: per engine, its weights and the KV
   cache of one longest sequence. Activations and compiled programs come on top, so
   passing this check does not promise a fit, but failing it means no fit."""
-  gb = lambda b: f'{b / 1e9:.3g} GB'
+  gb = lambda b: f'{b / 1e9:.3g} GB' if b >= 1e8 else f'{b / 1e6:.3g} MB'
   have = shares.jax * device_bytes
   for device, parts in jax_needs.items():
     need = sum(parts.values())

@@ -1,9 +1,12 @@
 """The default experiment on fewer devices than it asks for (8): with no placement given,
 placement fits the team to the 1 or 2 devices there are (a training pool over them,
 rollout on shared devices), says so at start-up and in placement.json, and trains the
-same parameters as a run given that placement explicitly. Runs as a user runs it (the
-command line, in subprocesses with their own device counts), short and with smaller
-batches; one compilation cache serves every run of the module."""
+same parameters as a run given that placement explicitly.
+
+Each device count runs in a subprocess of its own (the device count is fixed when JAX
+starts). The runs are the runlocal variant cut to 2 steps, with every agent given the
+same batch and answer length so that they share compiled steps; the explicit run finds
+the fitted run's programs in a compilation cache."""
 
 import json
 import os
@@ -17,40 +20,39 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
-GROUPS = {'router': 4, 'reverser': 8, 'sorter': 8, 'adder': 8}  # the experiment's group sizes
-FLAGS = [f'--config.steps={STEPS}', f'--config.checkpoint_every={STEPS}',
-         '--config.rollout.query_concurrency=8', '--config.rollout.max_step_queries=32',
-         *(f'--config.agents.{n}.{k}={v}' for n, g in GROUPS.items()
-           for k, v in (('global_batch', 2 * g), ('micro_batch', g)))]
+AGENTS = ('router', 'reverser', 'sorter', 'adder')
 
-# The fitted placement, given explicitly.
-EXPLICIT = '''
+RUNS = f'''
+import sys
 from experiments import hierarchical_assistant
 from flexmarl.config import training_config
+from flexmarl.run import train
 
-
-def get_config(arg=''):
-  c = hierarchical_assistant.get_config(arg)
-  c.rollout.devices = 'shared'
-  c.training = training_config(pool_devices={devices})
-  return c
+workdir, devices = sys.argv[1], int(sys.argv[2])
+for run in ('fitted', 'explicit'):
+  c = hierarchical_assistant.get_config('runlocal')
+  c.steps = c.checkpoint_every = {STEPS}
+  c.rollout.query_concurrency, c.rollout.max_step_queries = 8, 32
+  for a in c.agents.values():
+    a.global_batch, a.micro_batch, a.sampling.max_new_tokens = 16, 8, 3
+    a.grpo.entropy_coef = 0.1
+  if run == 'explicit':  # the layout the fit chooses, given
+    c.rollout.devices = 'shared'
+    c.training = training_config(pool_devices=devices)
+  print(f'== {{run}}', flush=True)
+  train(c, f'{{workdir}}/{{run}}')
 '''
 
 
-@pytest.fixture(scope='module')
-def cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('jax_cache'))
-
-
-def _main(config: str, workdir, devices: int, cache: str, *extra: str):
+def _run_both(workdir, devices: int) -> str:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  out = subprocess.run([sys.executable, '-m', 'flexmarl.main', f'--config={config}',
-                        f'--workdir={workdir}', *FLAGS, *extra], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=400)
+             JAX_COMPILATION_CACHE_DIR=str(workdir / 'jax_cache'),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  out = subprocess.run([sys.executable, '-c', RUNS, str(workdir), str(devices)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=400)
   assert out.returncode == 0, out.stderr[-3000:]
-  return out
+  return out.stdout
 
 
 def _params(workdir, agent):
@@ -60,31 +62,31 @@ def _params(workdir, agent):
 
 
 @pytest.mark.parametrize('devices', [1, 2])
-def test_default_experiment_fits_fewer_devices(tmp_path, cache, devices):
-  fitted = tmp_path / 'fitted'
-  out = _main('experiments/hierarchical_assistant.py:runlocal', fitted, devices, cache)
-  assert f'placement fitted to {devices} device(s) (the config asks for 8)' in out.stdout
-  assert 'cost: training.pool_devices' in out.stdout, out.stdout[-2000:]
-  p = json.loads((fitted / 'placement.json').read_text())
+def test_default_experiment_fits_fewer_devices(tmp_path, devices):
+  stdout = _run_both(tmp_path, devices)
+  fitted_out, explicit_out = stdout.split('== explicit')
+  assert f'placement fitted to {devices} device(s) (the config asks for 8)' in fitted_out
+  assert f'cost: training.pool_devices={devices}: 4 agents take turns' in fitted_out
+  assert 'placement fitted' not in explicit_out
+  p = json.loads((tmp_path / 'fitted' / 'placement.json').read_text())
   assert p['mode'] == 'shared'
+  assert p['fitted']['asked_devices'] == 8 and p['fitted']['devices'] == devices
   assert p['fitted']['changes'] == {'rollout.devices': 'shared', 'training.pool_devices': devices}
   assert [m['devices'] for m in p['pool']] == [[d] for d in range(devices)]
-  assert all(m['devices'] == [] for m in p['train'].values())
+  assert all(m['devices'] == [] for m in p['train'].values())  # the agents take turns
   assert {d for ms in p['rollout'].values() for m in ms for d in m['devices']} == set(
       range(devices))
-  lines = [json.loads(l) for l in (fitted / 'metrics.jsonl').read_text().splitlines()]
+  lines = [json.loads(l) for l in (tmp_path / 'fitted' / 'metrics.jsonl').read_text().splitlines()]
   assert {l['step'] for l in lines} == {1, 2}
+  assert {l['agent'] for l in lines if l['agent'] in AGENTS and l['updated']} == set(AGENTS)
 
-  (tmp_path / 'explicit.py').write_text(EXPLICIT.format(devices=devices))
-  explicit = tmp_path / 'explicit'
-  out = _main(f'{tmp_path}/explicit.py:runlocal', explicit, devices, cache)
-  assert 'placement fitted' not in out.stdout
-  q = json.loads((explicit / 'placement.json').read_text())
+  q = json.loads((tmp_path / 'explicit' / 'placement.json').read_text())
   assert q['fitted'] is None
   assert {k: q[k] for k in ('mode', 'train', 'rollout', 'pool')} == {
       k: p[k] for k in ('mode', 'train', 'rollout', 'pool')}
-  for agent in GROUPS:
-    for x, y in zip(_params(fitted, agent), _params(explicit, agent), strict=True):
+  for agent in AGENTS:
+    for x, y in zip(_params(tmp_path / 'fitted', agent), _params(tmp_path / 'explicit', agent),
+                    strict=True):
       np.testing.assert_array_equal(x, y, err_msg=agent)
 
 
