@@ -170,7 +170,8 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
     if count > len(free):
       raise ConfigError(
           f'config.{field}: no {count} free devices left ({len(device_ids)} in all; this '
-          f'placement needs about {devices_needed(demands, mode)}). Shrink the meshes or the instance counts'
+          f'placement needs about {devices_needed(demands, mode)}). Shrink the meshes or the '
+          'instance counts'
           f'{", or set rollout.devices=shared" if mode == "separate" else ""} (on CPU, '
           'set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting).')
     out = tuple(free[:count])
@@ -262,11 +263,8 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
   if explicit or asked <= n:
     return derive(demands, mode, device_ids, pool_devices, mesh_shapes)
   if strict:
-    try:
-      return derive(demands, mode, device_ids)
-    except ConfigError as e:
-      raise ConfigError(f"{e} (config.placement='strict'; 'fit' fits the team to the "
-                        'devices there are.)') from None
+    raise _refusal(demands, mode, device_ids, "(config.placement='strict'; 'fit' fits the "
+                   'team to the devices there are.)')
   shapes = [tuple(a.mesh_shape) for a in demands.values()]
   changes: dict[str, Any] = {}
   costs = []
@@ -280,10 +278,8 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
     if no_pool or pool_need > n:
       why = no_pool or (f'a training pool needs one mesh of each agent shape, {pool_need} '
                         'devices')
-      try:
-        return derive(demands, mode, device_ids)  # raises the refusal of the asked layout
-      except ConfigError as e:
-        raise ConfigError(f'{e} Fitting the team to {n} devices failed too: {why}.') from None
+      raise _refusal(demands, mode, device_ids, f'Fitting the team to {n} devices failed '
+                     f'too: {why}.')
     meshes = pool_shapes(shapes, n)
     changes['training.pool_devices'] = n
     largest = max(state_bytes().values(), default=0)
@@ -297,6 +293,17 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
   if idle:
     costs.append(f'devices {idle} stay idle (no agent has work for them in this layout).')
   return dataclasses.replace(placement, fitted=Fit(asked, n, changes, tuple(costs)))
+
+
+def _refusal(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
+             note: str) -> ConfigError:
+  """`derive`'s error for a layout that needs more devices than there are, with `note`."""
+  try:
+    derive(demands, mode, device_ids)
+  except ConfigError as e:
+    return ConfigError(f'{e} {note}')
+  raise AssertionError(f'a layout needing {devices_needed(demands, mode)} devices fit in '
+                       f'{len(device_ids)}')
 
 
 def check(p: Placement) -> None:
