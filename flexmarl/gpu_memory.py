@@ -46,10 +46,17 @@ class Shares:
   preallocate: bool
   jax_given: str = ''  # the variable the user set JAX's fraction with ('' : planned)
   vllm_given: bool = False  # the user set rollout.vllm.gpu_memory_utilization
+  problem: str = ''  # why these shares cannot work on a GPU ('' : they can)
 
   def env(self) -> dict[str, str]:
-    """The variables to set before JAX starts (those the user did not set)."""
-    return {} if self.jax_given else {JAX_FRACTION: f'{self.jax:.4g}'}
+    """The variables to set before JAX starts (those the user did not set; none when
+    the shares cannot work, so that `check` can say why once JAX is on a GPU)."""
+    return {} if self.jax_given or self.problem else {JAX_FRACTION: f'{self.jax:.4g}'}
+
+  def check(self) -> None:
+    """Raise ConfigError (naming both numbers) when the shares cannot work on a GPU."""
+    if self.problem:
+      raise ConfigError(self.problem)
 
   def describe(self) -> str:
     jax = (f'{self.jax_given}={self.jax:.4g} (yours)' if self.jax_given
@@ -64,10 +71,18 @@ class Shares:
 def plan(engines: int, environ: Mapping[str, str], vllm_given: float | None = None,
          budget: float = BUDGET) -> Shares:
   """The shares for `engines` vLLM engines beside JAX, keeping what the user set
-  (`environ`'s variables, `vllm_given`); raises ConfigError when they cannot add up."""
+  (`environ`'s variables, `vllm_given`). Shares that cannot work carry the reason
+  (`Shares.problem`): it only matters on a GPU, which is known once JAX has started."""
   name = next((n for n in (JAX_FRACTION_NEW, JAX_FRACTION) if environ.get(n)), '')
-  jax = _fraction(name, environ[name]) if name else None
   preallocate = environ.get(PREALLOCATE, 'true') not in ('false', 'False', '0')
+  try:
+    jax = float(environ[name]) if name else None
+  except ValueError:
+    jax = float('nan')
+  if jax is not None and not 0 < jax <= 1:
+    return Shares(0.0, 0.0, engines, preallocate, name, vllm_given is not None,
+                  f'{name}={environ[name]!r}: give a fraction of GPU memory in (0, 1], '
+                  'e.g. 0.5, or leave it unset.')
   if not engines:
     return Shares(jax or budget, 0.0, 0, preallocate, name)
   if vllm_given is not None:
@@ -77,25 +92,21 @@ def plan(engines: int, environ: Mapping[str, str], vllm_given: float | None = No
     vllm = (budget - jax) / engines
   else:
     jax = vllm = budget / (engines + 1)
-  shares = Shares(jax, vllm, engines, preallocate, name, vllm_given is not None)
   total = jax + engines * vllm
-  if jax <= 0 or vllm <= 0 or total > 1:
-    raise ConfigError(
-        f'{name or JAX_FRACTION}={jax:.4g} (JAX) and {VLLM_FIELD}={vllm:.4g} for each of '
-        f'{engines} vLLM engine(s) on the first GPU add up to {total:.4g} of its memory '
-        f'(and each must be > 0). Fix: set them so that JAX + {engines} x vLLM <= {budget}, '
-        'e.g. leave both unset to share the GPU equally, or use fewer rollout instances.')
-  return shares
-
-
-def _fraction(name: str, value: str) -> float:
-  try:
-    f = float(value)
-  except ValueError:
-    f = -1.0
-  if not 0 < f <= 1:
-    raise ConfigError(f'{name}={value!r}: give a fraction of GPU memory in (0, 1], e.g. 0.5.')
-  return f
+  jax_text = f'{name or JAX_FRACTION}={jax:.4g} (JAX)'
+  vllm_text = f'{VLLM_FIELD}={vllm:.4g} for each of {engines} vLLM engine(s) on the first GPU'
+  if total > 1:
+    problem = f'{jax_text} and {vllm_text} add up to {total:.4g} of its memory.'
+  elif jax <= 0:
+    problem = f'{vllm_text} leaves {jax:.4g} of {budget} of it for JAX.'
+  elif vllm <= 0:
+    problem = f'{jax_text} leaves {vllm:.4g} of {budget} of the first GPU for vLLM.'
+  else:
+    problem = ''
+  if problem:
+    problem += (f' Fix: set them so that JAX + {engines} x vLLM <= {budget}, e.g. leave both '
+                'unset to share the GPU equally, or use fewer rollout instances.')
+  return Shares(jax, vllm, engines, preallocate, name, vllm_given is not None, problem)
 
 
 def check_fits(shares: Shares, device_bytes: int, jax_needs: Mapping[int, Mapping[str, int]],
@@ -166,7 +177,8 @@ def needs(spec: TeamSpec) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
 
 def settle(spec: TeamSpec, shares: Shares, device_bytes: int) -> TeamSpec:
   """`spec` with the planned vLLM share, once JAX has started on GPUs of `device_bytes`
-  each; raises ConfigError when the placement cannot fit the shares."""
+  each; raises ConfigError when the shares or the placement cannot fit."""
+  shares.check()
   check_fits(shares, device_bytes, *needs(spec))
   if not shares.engines:
     return spec

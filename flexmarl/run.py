@@ -60,6 +60,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
                          workflow.agent_names())
   if devices[0].platform == 'gpu':
     log(shares.describe())
+    shares.check()
     if started:
       log(f'warning: JAX had started before the run was built, so the planned GPU memory '
           f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')

@@ -32,14 +32,20 @@ def test_plan_shares_the_first_gpu_and_keeps_the_users_values(engines, environ, 
   assert ('vLLM engine' in text) == bool(engines)
 
 
-def test_plan_refuses_shares_that_do_not_add_up():
+def test_shares_that_do_not_add_up_are_refused_on_a_gpu():
+  bad = gm.plan(2, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.75'}, 0.5)
+  assert bad.env() == {}  # nothing set; CPU runs ignore the shares, GPU runs check them
   with pytest.raises(ConfigError, match=r'XLA_PYTHON_CLIENT_MEM_FRACTION=0\.75 \(JAX\) and '
                      r'rollout\.vllm\.gpu_memory_utilization=0\.5 for each of 2 .*1\.75'):
-    gm.plan(2, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.75'}, 0.5)
-  with pytest.raises(ConfigError, match=r'gpu_memory_utilization=0 .*must be > 0'):
-    gm.plan(1, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.9'})  # nothing left for the engine
+    bad.check()
+  with pytest.raises(ConfigError, match=r'FRACTION=0\.9 \(JAX\) leaves 0 of 0\.9 .* for vLLM'):
+    gm.plan(1, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.9'}).check()
   with pytest.raises(ConfigError, match=r"XLA_CLIENT_MEM_FRACTION='lots': give a fraction"):
-    gm.plan(0, {'XLA_CLIENT_MEM_FRACTION': 'lots'})
+    gm.plan(0, {'XLA_CLIENT_MEM_FRACTION': 'lots'}).check()
+  with pytest.raises(ConfigError, match=r'utilization=0\.3 for each of 4 .* leaves -0\.3 of '
+                     r'0\.9 of it for JAX'):
+    gm.settle(_spec(1, backend='vllm'), gm.plan(4, {}, 0.3), 10**12)
+  gm.plan(4, {}).check()
   assert not gm.plan(0, {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}).preallocate
 
 
