@@ -41,6 +41,8 @@ for run in ('fitted', 'explicit'):
     c.training = training_config(pool_devices=devices)
   print(f'== {{run}}', flush=True)
   train(c, f'{{workdir}}/{{run}}')
+import os
+print('memory fraction', os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))  # set by the plan
 '''
 
 
@@ -49,6 +51,8 @@ def _run_both(workdir, devices: int) -> str:
              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
              JAX_COMPILATION_CACHE_DIR=str(workdir / 'jax_cache'),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  for name in ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION'):
+    env.pop(name, None)  # the run plans it
   out = subprocess.run([sys.executable, '-c', RUNS, str(workdir), str(devices)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=400)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -68,6 +72,7 @@ def test_default_experiment_fits_fewer_devices(tmp_path, devices):
   assert f'placement fitted to {devices} device(s) (the config asks for 8)' in fitted_out
   assert f'cost: training.pool_devices={devices}: 4 agents take turns' in fitted_out
   assert 'placement fitted' not in explicit_out
+  assert 'memory fraction 0.9' in explicit_out  # the embedded sampler: JAX alone on a GPU
   p = json.loads((tmp_path / 'fitted' / 'placement.json').read_text())
   assert p['mode'] == 'shared'
   assert p['fitted']['asked_devices'] == 8 and p['fitted']['devices'] == devices
