@@ -5,8 +5,8 @@ same parameters as a run given that placement explicitly.
 
 Each device count runs in a subprocess of its own (the device count is fixed when JAX
 starts). The runs are the runlocal variant cut to 2 steps, with every agent given the
-same batch and answer length so that they share compiled steps; the explicit run finds
-the fitted run's programs in a compilation cache."""
+same batch and answer length so that they share compiled steps; the explicit run (and
+the 2-device run) find the programs compiled before in a compilation cache."""
 
 import json
 import os
@@ -46,10 +46,16 @@ print('memory fraction', os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))  # se
 '''
 
 
-def _run_both(workdir, devices: int) -> str:
+@pytest.fixture(scope='module')
+def cache(tmp_path_factory):
+  """One compilation cache for the module: programs on device 0 serve both counts."""
+  return str(tmp_path_factory.mktemp('jax_cache'))
+
+
+def _run_both(workdir, devices: int, cache: str) -> str:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             JAX_COMPILATION_CACHE_DIR=str(workdir / 'jax_cache'),
+             JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   for name in ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION'):
     env.pop(name, None)  # the run plans it
@@ -66,8 +72,8 @@ def _params(workdir, agent):
 
 
 @pytest.mark.parametrize('devices', [1, 2])
-def test_default_experiment_fits_fewer_devices(tmp_path, devices):
-  stdout = _run_both(tmp_path, devices)
+def test_default_experiment_fits_fewer_devices(tmp_path, cache, devices):
+  stdout = _run_both(tmp_path, devices, cache)
   fitted_out, explicit_out = stdout.split('== explicit')
   assert f'placement fitted to {devices} device(s) (the config asks for 8)' in fitted_out
   assert f'cost: training.pool_devices={devices}: 4 agents take turns' in fitted_out
