@@ -10,7 +10,9 @@ A laptop-sized smoke run (big_vision's `runlocal`):
     --workdir=runs/ha_local
 
 Each agent trains on one device and rolls out on another (`rollout.devices=separate`):
-8 devices in all. On fewer, add `--config.rollout.devices=shared` (4 devices).
+8 devices in all. On fewer, placement fits the team to the devices there are (4: rollout
+on the training devices; 1 to 3: the agents take turns on a training pool) and prints
+what it chose; `--config.placement=strict` refuses instead.
 
 Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 """
@@ -30,6 +32,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.tokenizer = 'char'
   config.max_prompt_len = 8
   config.checkpoint_every = 250
+  config.placement = 'fit'  # on too few devices, fit the team to them; 'strict': refuse
 
   config.workflow = dict(
       name='hierarchical_assistant',

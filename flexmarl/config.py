@@ -32,6 +32,9 @@ from flexmarl.train.trainer import OptimizerConfig
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 BACKENDS = ('embedded', 'vllm')
+# config.placement: 'fit' fits the team to the devices there are when they are too few
+# for the layout asked for (see placement.fit); 'strict' refuses instead.
+PLACEMENT_POLICIES = ('fit', 'strict')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
            'agent_config', 'rollout_config', 'training_config', 'part_of_run',
@@ -270,6 +273,20 @@ def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) ->
   return _agent_spec(name, config.agents[name], vocab_size)
 
 
+def vllm_demand(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int]
+                ) -> tuple[int, float | None]:
+  """The vLLM engines a run starts and the `rollout.vllm.gpu_memory_utilization` its
+  config sets (None: unset), checked; (0, None) with the embedded sampler. Needs no
+  devices: `run.build` plans GPU memory from it before JAX starts."""
+  rollout = _rollout_spec(config.rollout)
+  if rollout.backend != 'vllm':
+    return 0, None
+  vocab = (vocab_size if isinstance(vocab_size, Mapping)
+           else dict.fromkeys(config.agents, vocab_size))
+  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents)
+  return engines, rollout.vllm.get('gpu_memory_utilization')
+
+
 def _training_spec(t: Mapping[str, Any], agents: Mapping[str, AgentSpec]
                    ) -> tuple[TrainingSpec, list[tuple[int, ...]]]:
   """The checked training pool and its listed mesh shapes; nothing is compiled."""
@@ -339,10 +356,23 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   if rollout.backend == 'vllm':
     _check_vllm_agents(agents, rollout, config.max_prompt_len)
   training, mesh_shapes = _training_spec(config.get('training') or {}, agents)
-  placement = placement_lib.derive(
+  policy = config.get('placement', 'fit')
+  if policy not in PLACEMENT_POLICIES:
+    fail('placement', policy, "choose 'fit' (fit the team to the devices there are) or "
+          "'strict' (refuse a config that needs more devices than there are).")
+  placement = placement_lib.fit(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices) for n, a in agents.items()},
-      rollout.devices, device_ids, training.pool_devices, mesh_shapes)
+      rollout.devices, device_ids, training.pool_devices, mesh_shapes,
+      strict=policy == 'strict',
+      state_bytes=lambda: {n: pool_lib.state_nbytes(a.model, a.optimizer, a.grpo)
+                           for n, a in agents.items()},
+      no_pool=('agents that start from model.checkpoint cannot share a training pool yet'
+               if any(a.checkpoint for a in agents.values()) else ''))
+  if placement.fitted:  # the spec says what runs: the fitted fields
+    rollout = dataclasses.replace(rollout, devices=placement.mode)
+    training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(
+        'training.pool_devices', training.pool_devices))
   whole_number('checkpoint_every', config.checkpoint_every, 1)
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,

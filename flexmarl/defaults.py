@@ -21,7 +21,9 @@ def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
     kv_cache_bytes, enforce_eager, max_num_seqs, max_restarts).
   - devices: 'separate' gives every rollout instance devices of its own (the paper's
     separate rollout and training pools: generation never queues behind gradient
-    work); 'shared' runs an agent's instances on its training devices.
+    work); 'shared' runs an agent's instances on its training devices. On too few
+    devices for 'separate', placement may fit the team with 'shared' instead (see
+    `config.placement` in flexmarl.placement.fit).
   - admission: 'stream' keeps `query_concurrency` queries in flight and refills a
     finished query's slot at once; 'waves' is the lockstep engine (a wave of
     `query_concurrency` queries, each agent's requests served in one blocking call per
@@ -53,7 +55,9 @@ def training_config(**overrides: Any) -> ml_collections.ConfigDict:
     devices of its own). N > 0 carves the first N free devices into meshes that the
     agents share, taking turns: an agent is bound to a free mesh of its shape while it
     has a micro-batch or an optimizer step to run, and its state waits in host memory
-    (or storage) in between.
+    (or storage) in between. With 0 and too few devices for a mesh per agent,
+    placement may fit a pool over every device (`config.placement`: 'fit', the
+    default; 'strict' refuses instead).
   - mesh_shapes: the pool's meshes, e.g. [(2,), (2,)]; () derives one mesh per distinct
     agent shape, then more round-robin while devices remain.
   - host_budget_gb: host memory for swapped-out states; the least recently used go to

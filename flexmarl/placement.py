@@ -15,6 +15,12 @@ shape on mesh (k + j) mod n of the n meshes of that shape); with `separate` on
 devices outside the pool. It is checked
 before anything compiles, printed at start-up, saved as `WORKDIR/placement.json`
 and compared on resume. Devices are named by their `jax.Device.id`.
+
+When the devices are too few for the layout the config asks for and the config places
+nothing explicitly, `fit` fits the team to the devices there are: rollout instances
+move onto training devices (`rollout.devices=shared`), then, if the agents' own meshes
+still do not fit, the agents share a training pool over every device. The choice and
+what it costs are recorded in the placement (`Fit`); `strict` keeps the refusal.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from flexmarl.errors import ConfigError
 
@@ -48,27 +55,56 @@ class AgentDemand:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fit:
+  """How `fit` changed a layout that needed more devices than there are."""
+
+  asked: int  # devices the layout the config asks for needs
+  devices: int  # devices there are
+  changes: Mapping[str, Any]  # config fields as fitted, e.g. {'rollout.devices': 'shared'}
+  costs: tuple[str, ...]  # what each change costs, in words
+
+  def to_dict(self) -> dict:
+    return {'asked_devices': self.asked, 'devices': self.devices,
+            'changes': dict(self.changes), 'costs': list(self.costs)}
+
+  @classmethod
+  def from_dict(cls, d: Mapping) -> Fit:
+    return cls(d['asked_devices'], d['devices'], dict(d['changes']), tuple(d['costs']))
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
   mode: str
   train: Mapping[str, MeshPlacement]
   rollout: Mapping[str, tuple[MeshPlacement, ...]]  # per agent, its instances
   pool: tuple[MeshPlacement, ...] = ()  # the training pool's meshes (train devices: ())
+  fitted: Fit | None = None  # None: the layout the config asks for
 
   def to_dict(self) -> dict:
     mesh = lambda m: {'devices': list(m.devices), 'shape': list(m.shape)}
     return {'mode': self.mode, 'train': {a: mesh(m) for a, m in self.train.items()},
             'rollout': {a: [mesh(m) for m in ms] for a, ms in self.rollout.items()},
-            'pool': [mesh(m) for m in self.pool]}
+            'pool': [mesh(m) for m in self.pool],
+            'fitted': self.fitted.to_dict() if self.fitted else None}
 
   @classmethod
   def from_dict(cls, d: Mapping) -> Placement:
     mesh = lambda m: MeshPlacement(tuple(m['devices']), tuple(m['shape']))
+    fitted = d.get('fitted')
     return cls(d['mode'], {a: mesh(m) for a, m in d['train'].items()},
                {a: tuple(mesh(m) for m in ms) for a, ms in d['rollout'].items()},
-               tuple(mesh(m) for m in d.get('pool', ())))
+               tuple(mesh(m) for m in d.get('pool', ())),
+               Fit.from_dict(fitted) if fitted else None)
 
   def describe(self) -> str:
-    lines = [f'placement ({self.mode} rollout devices):']
+    lines = []
+    if self.fitted:
+      f = self.fitted
+      changes = ', '.join(f'{k}={v}' for k, v in f.changes.items())
+      lines += [f'placement fitted to {f.devices} device(s) (the config asks for {f.asked}): '
+                f'{changes}; --config.placement=strict refuses instead.',
+                *(f'  cost: {c}' for c in f.costs)]
+    lines.append(f'placement ({self.mode} rollout devices):')
     if self.pool:
       lines.append('  training pool: ' + ', '.join(f'{list(m.devices)} mesh {m.shape}'
                                                    for m in self.pool))
@@ -81,6 +117,13 @@ class Placement:
 
 def _size(shape: Sequence[int]) -> int:
   return math.prod(shape)
+
+
+def devices_needed(demands: Mapping[str, AgentDemand], mode: str) -> int:
+  """Devices a derived layout without a pool takes: every agent's mesh, and with
+  `separate` a mesh's worth per rollout instance."""
+  return sum(_size(a.mesh_shape) * (1 + (mode == 'separate') * a.instances)
+             for a in demands.values())
 
 
 def pool_shapes(agent_shapes: Sequence[tuple[int, ...]], pool_devices: int
@@ -125,11 +168,10 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
 
   def take(field: str, count: int) -> tuple[int, ...]:
     if count > len(free):
-      needed = sum(_size(a.mesh_shape) * (1 + (mode == 'separate') * a.instances)
-                   for a in demands.values())
       raise ConfigError(
           f'config.{field}: no {count} free devices left ({len(device_ids)} in all; this '
-          f'placement needs about {needed}). Shrink the meshes or the instance counts'
+          f'placement needs about {devices_needed(demands, mode)}). Shrink the meshes or the '
+          'instance counts'
           f'{", or set rollout.devices=shared" if mode == "separate" else ""} (on CPU, '
           'set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting).')
     out = tuple(free[:count])
@@ -199,6 +241,69 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
   placement = Placement(mode, train, rollout, tuple(pool))
   check(placement)
   return placement
+
+
+def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
+        pool_devices: int = 0, mesh_shapes: Sequence[tuple[int, ...]] = (), *,
+        strict: bool = False, state_bytes: Callable[[], Mapping[str, int]] = dict,
+        no_pool: str = '') -> Placement:
+  """`derive`, fitted to the devices there are when the layout asked for needs more.
+
+  A config that places anything explicitly (device ids, a training pool) is never
+  changed, and `strict` never fits: both get `derive`'s refusal. Otherwise, on too few
+  devices: with `separate`, rollout instances move onto their agents' training devices;
+  if the agents' own meshes still do not fit, they share a training pool over every
+  device (one mesh of each shape, more while devices remain). `state_bytes` gives each
+  agent's training state (the cost of a pool's swaps); `no_pool` says why the agents
+  cannot share a pool ('' : they can). Even that not fitting raises `derive`'s error.
+  """
+  asked, n = devices_needed(demands, mode), len(device_ids)
+  explicit = pool_devices or any(a.train_devices or a.instance_devices
+                                 for a in demands.values())
+  if explicit or asked <= n:
+    return derive(demands, mode, device_ids, pool_devices, mesh_shapes)
+  if strict:
+    raise _refusal(demands, mode, device_ids, "(config.placement='strict'; 'fit' fits the "
+                   'team to the devices there are.)')
+  shapes = [tuple(a.mesh_shape) for a in demands.values()]
+  changes: dict[str, Any] = {}
+  costs = []
+  if mode == 'separate':
+    changes['rollout.devices'] = 'shared'
+    costs.append(f'rollout.devices=shared: the {sum(a.instances for a in demands.values())} '
+                 "rollout instances run on training devices, so an agent's sampling and "
+                 'gradient work queue on one device instead of overlapping.')
+  if sum(map(_size, shapes)) > n:
+    pool_need = sum(map(_size, dict.fromkeys(shapes)))
+    if no_pool or pool_need > n:
+      why = no_pool or (f'a training pool needs one mesh of each agent shape, {pool_need} '
+                        'devices')
+      raise _refusal(demands, mode, device_ids, f'Fitting the team to {n} devices failed '
+                     f'too: {why}.')
+    meshes = pool_shapes(shapes, n)
+    changes['training.pool_devices'] = n
+    largest = max(state_bytes().values(), default=0)
+    costs.append(f'training.pool_devices={n}: {len(demands)} agents take turns on '
+                 f'{len(meshes)} training mesh(es) {meshes}; an agent waits while another '
+                 f'trains, and between its turns its state (up to {largest / 2**20:.1f} MiB '
+                 'an agent) moves to host memory and back.')
+  placement = derive(demands, 'shared', device_ids, changes.get('training.pool_devices', 0))
+  used = {d for m in [*placement.train.values(), *placement.pool] for d in m.devices}
+  idle = [d for d in device_ids if d not in used]
+  if idle:
+    costs.append(f'devices {idle} stay idle (no agent has work for them in this layout).')
+  return dataclasses.replace(placement, fitted=Fit(asked, n, changes, tuple(costs)))
+
+
+def _refusal(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
+             note: str) -> ConfigError:
+  """`derive`'s error for a layout that needs more devices than there are, with `note`."""
+  try:
+    derive(demands, mode, device_ids)
+  except ConfigError as e:
+    return ConfigError(f'{e} {note}')
+  raise AssertionError(f'a layout needing {devices_needed(demands, mode)} devices fit in '
+                       f'{len(device_ids)}')
 
 
 def check(p: Placement) -> None:

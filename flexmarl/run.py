@@ -37,8 +37,10 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   """
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
+  from flexmarl import gpu_memory
   from flexmarl import workdir as workdirs
-  from flexmarl.config import build_team_spec, check_prompt_lengths, tokenizer_paths
+  from flexmarl.config import (build_team_spec, check_prompt_lengths, tokenizer_paths,
+                               vllm_demand)
   from flexmarl.orchestrator import JointOrchestrator
   from flexmarl.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
@@ -50,8 +52,25 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   tokenizers = {name: loaded[path] for name, path in paths.items()}
   workflow = workflow or build_workflow(config.workflow)
   check_workflow_api(workflow)
-  spec = build_team_spec(config, {n: t.vocab_size for n, t in tokenizers.items()},
-                         [d.id for d in jax.devices()], workflow.agent_names())
+  # GPU memory shares are planned before JAX starts its client (which reads them).
+  vocab = {n: t.vocab_size for n, t in tokenizers.items()}
+  engines, vllm_given = vllm_demand(config, vocab)
+  shares = gpu_memory.plan(engines, os.environ, vllm_given)
+  started = _jax_started()
+  if not started:
+    os.environ.update(shares.env())
+  devices = jax.devices()
+  spec = build_team_spec(config, vocab, [d.id for d in devices], workflow.agent_names())
+  if devices[0].platform == 'gpu':
+    log(shares.describe())
+    shares.check()
+    if started:
+      log(f'warning: JAX had started before the run was built, so the planned GPU memory '
+          f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')
+    else:
+      stats = devices[0].memory_stats() or {}
+      if stats.get('bytes_limit'):  # JAX's share of one GPU
+        spec = gpu_memory.settle(spec, shares, int(stats['bytes_limit'] / shares.jax))
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
                             spec.seed)
   check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
@@ -63,6 +82,12 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
     if path != config.tokenizer:
       tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
   return JointOrchestrator(spec, workflow, tokenizers, workdir)
+
+
+def _jax_started() -> bool:
+  """Whether a JAX backend has started (it read its memory settings then)."""
+  from jax._src import xla_bridge  # no public API says so
+  return xla_bridge.backends_are_initialized()
 
 
 def train(config, workdir: str, workflow=None, log=print, experiment: str | None = None) -> dict:

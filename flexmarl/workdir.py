@@ -8,8 +8,8 @@ saved one first, field by field:
   workflow, the seed, the schedule, batch sizes, GRPO and optimizer settings...) is
   refused, naming every differing field and the two ways out;
 - a field that only changes what happens from here on (`steps`, `checkpoint_every`,
-  the schedules' lengths, where meshes and rollout instances run) is accepted with a
-  warning.
+  the schedules' lengths, where meshes and rollout instances run, whether placement
+  may fit the team to the devices) is accepted with a warning.
 Nothing is written until the run is accepted, so a refused start leaves the
 workdir exactly as it was.
 """
@@ -27,7 +27,7 @@ CONFIG_FILE, RUN_FILE = 'config.json', 'run.json'
 # difference is refused.
 HARMLESS = ('steps', 'checkpoint_every', 'agents.*.optimizer.decay_steps',
             'agents.*.grpo.entropy_decay_steps', 'agents.*.mesh_shape',
-            'rollout.devices')
+            'rollout.devices', 'placement')
 
 
 class WorkdirError(ValueError):

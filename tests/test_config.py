@@ -42,14 +42,18 @@ def test_unknown_agent_in_workflow(tmp_path):
 
 def test_more_devices_than_exist(tmp_path):
   c = hierarchical_assistant.get_config()
-  c.agents.router.mesh_shape = (4, 4)
-  _fails(c, tmp_path, 'mesh_shape', 'needs about 38', 'XLA_FLAGS')
+  c.agents.router.mesh_shape = (4, 4)  # even a training pool needs 16 + 1 devices
+  _fails(c, tmp_path, 'mesh_shape', 'needs about 38', 'XLA_FLAGS',
+         'Fitting the team to 8 devices failed too', '17 devices')
 
 
 def test_separate_rollout_devices_need_their_own(tmp_path):
   c = hierarchical_assistant.get_config()  # 4 agents x 1 device, twice: 8 of 8
   c.agents.router.mesh_shape = (2, 1)
-  _fails(c, tmp_path, 'needs about 10', 'rollout.devices=shared')
+  c.placement = 'strict'  # 'fit' would share the training devices
+  _fails(c, tmp_path, 'needs about 10', 'rollout.devices=shared', "placement='strict'")
+  c.placement = 'tight'
+  _fails(c, tmp_path, "config.placement='tight'", "'fit'", "'strict'")
   c = hierarchical_assistant.get_config()
   c.rollout.devices = 'elsewhere'
   _fails(c, tmp_path, "rollout.devices='elsewhere'", "'separate'")

@@ -58,6 +58,54 @@ def test_bad_placement_fails_before_anything_is_written(tmp_path):
   c.rollout.devices = 'separate'
   c.agents.solver.rollout.instances = 3
   c.agents.verifier.mesh_shape = (2, 2)  # 1 + 3 + 4 + 4 = 12 devices of 8
+  c.placement = 'strict'  # 'fit' would run the instances on the training devices
   with pytest.raises(ConfigError, match='verifier'):
     train(c, str(tmp_path / 'run'), log=lambda *_: None)
   assert not (tmp_path / 'run').exists()
+
+
+FOUR = {n: pl.AgentDemand((1, 1)) for n in ('router', 'reverser', 'sorter', 'adder')}
+
+
+@pytest.mark.parametrize('devices, changes, pool', [
+    (8, None, []),  # the layout asked for: 4 meshes + 4 instances of their own
+    (5, {'rollout.devices': 'shared'}, []),
+    (4, {'rollout.devices': 'shared'}, []),
+    (3, {'rollout.devices': 'shared', 'training.pool_devices': 3}, [(0,), (1,), (2,)]),
+    (1, {'rollout.devices': 'shared', 'training.pool_devices': 1}, [(0,)]),
+])
+def test_fit_takes_the_first_layout_that_fits(devices, changes, pool):
+  p = pl.fit(FOUR, 'separate', IDS[:devices], state_bytes=lambda: {'router': 3 * 2**20})
+  assert (p.fitted.changes if p.fitted else None) == changes
+  assert [m.devices for m in p.pool] == pool
+  assert p.mode == ('separate' if devices == 8 else 'shared')
+  used = {d for ms in p.rollout.values() for m in ms for d in m.devices}
+  assert used == set(IDS[4:] if devices == 8 else IDS[:min(devices, 4)])
+  if changes:
+    assert p.fitted.asked == 8 and p.fitted.devices == devices
+    assert ('3.0 MiB' in ' '.join(p.fitted.costs)) == bool(pool)
+    assert ('devices [4] stay idle' in ' '.join(p.fitted.costs)) == (devices == 5)
+    assert 'placement fitted to' in p.describe()
+
+
+def test_fit_keeps_explicit_and_strict_placements():
+  with pytest.raises(ConfigError, match=r"no 1 free devices.*placement='strict'"):
+    pl.fit(FOUR, 'separate', [0], strict=True)
+  explicit = dict(FOUR, adder=pl.AgentDemand((1, 1), train_devices=(0,)))
+  with pytest.raises(ConfigError, match=r'no 1 free devices') as err:
+    pl.fit(explicit, 'separate', [0, 1])
+  assert 'Fitting' not in str(err.value)
+  with pytest.raises(ConfigError, match=r'training\.pool_devices: no 4 free devices'):
+    pl.fit(FOUR, 'shared', [0, 1], pool_devices=4)  # a pool given is never resized
+  with pytest.raises(ConfigError, match=r'failed too: a training pool needs one mesh of each '
+                     r'agent shape, 3 devices'):
+    pl.fit(dict(FOUR, router=pl.AgentDemand((2, 1))), 'shared', [0, 1])
+  with pytest.raises(ConfigError, match=r'failed too: checkpoints'):
+    pl.fit(FOUR, 'shared', [0, 1], no_pool='checkpoints')
+
+
+def test_fitted_placement_round_trip(tmp_path):
+  p = pl.fit(FOUR, 'separate', [0, 1])
+  pl.save(p, str(tmp_path))
+  assert pl.load(str(tmp_path)) == p and pl.load(str(tmp_path)).fitted.changes == {
+      'rollout.devices': 'shared', 'training.pool_devices': 2}

@@ -41,12 +41,21 @@ def check_pool(pool_devices: int, layouts: Mapping[str, sharding.MeshLayout],
           f'shape, or give the training pool at least {lay.size} devices.')
 
 
+def _abstract_params(model_cfg: transformer.ModelConfig) -> dict:
+  model = nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(params=0)))
+  return nnx.to_pure_dict(nnx.state(model))
+
+
+def param_count(model_cfg: transformer.ModelConfig) -> int:
+  """The model's number of parameters, from shapes alone."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_abstract_params(model_cfg)))
+
+
 def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                  grpo_cfg: grpo.GRPOConfig) -> int:
   """Bytes of one agent's state at rest (params, optimizer state, KL reference, RNG),
   from shapes alone: nothing is allocated or compiled."""
-  model = nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(params=0)))
-  params = nnx.to_pure_dict(nnx.state(model))
+  params = _abstract_params(model_cfg)
   opt = jax.eval_shape(make_optimizer(opt_cfg).init, params)
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   trees = [params, opt, rng] + ([params] if grpo_cfg.kl_coef else [])
