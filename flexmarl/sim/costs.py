@@ -38,9 +38,12 @@ PREFILL_MFU = 0.35
 DECODE_HBM_EFFICIENCY = 0.7
 DECODE_MFU = 0.2
 # The paper: swapping a 32B agent's state in or out takes about 11 s (hidden behind rollout).
-# The effective bandwidth that gives; taken per trainer, whatever its mesh size.
+# The effective bandwidth that gives (per trainer), and per device assuming, as the paper's
+# setups suggest but do not say, that the trainer was one node's 16 devices: 2.6 GB/s each.
 PAPER_SWAP_S_32B = 11.0
 SWAP_BYTES_PER_S = QWEN25_32B.params * TRAIN_STATE_BYTES_PER_PARAM / PAPER_SWAP_S_32B
+PAPER_SWAP_DEVICES = 16
+HOST_BYTES_PER_S_PER_DEVICE = SWAP_BYTES_PER_S / PAPER_SWAP_DEVICES
 
 
 @dataclasses.dataclass(frozen=True)
