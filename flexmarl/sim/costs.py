@@ -73,12 +73,17 @@ def train_state_bytes(m: ModelSpec) -> int:
   return m.params * TRAIN_STATE_BYTES_PER_PARAM
 
 
-def decode_rates(m: ModelSpec, accel: Accelerator, tp: int) -> DecodeRates:
-  """Rates of an instance of `m` tensor-parallel over `tp` devices of `accel`."""
-  if tp < 1:
-    raise ValueError(f'tp={tp}: an instance needs at least one device.')
+def decode_rates(m: ModelSpec, accel: Accelerator, tp: int, step_overhead_s: float = 0.0
+                 ) -> DecodeRates:
+  """Rates of an instance of `m` tensor-parallel over `tp` devices of `accel`.
+  step_overhead_s: a decode step's latency beyond reading the weights (kernel launches,
+  the tensor-parallel all-reduces of every layer); not derived, to be measured or fitted."""
+  if tp < 1 or step_overhead_s < 0:
+    raise ValueError(f'tp={tp}, step_overhead_s={step_overhead_s}: an instance needs at '
+                     'least one device, and an overhead is >= 0 seconds.')
   return DecodeRates(
-      step_s=param_bytes(m) / (tp * accel.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY),
+      step_s=step_overhead_s + param_bytes(m) / (tp * accel.hbm_bytes_per_s
+                                                 * DECODE_HBM_EFFICIENCY),
       token_s=2 * m.params / (tp * accel.peak_flops * DECODE_MFU),
       prefill_token_s=2 * m.params / (tp * accel.peak_flops * PREFILL_MFU))
 

@@ -37,9 +37,10 @@ class DeviceGroup:
     self.clock, self.track, self.cores, self.recorder = clock, track, cores, recorder
     self.busy_until = clock.now()
 
-  def run(self, name: str, seconds: float, **args) -> float:
-    """Reserve the group for `seconds` after what is queued; the end time."""
-    start = max(self.clock.now(), self.busy_until)
+  def run(self, name: str, seconds: float, earliest: float = 0.0, **args) -> float:
+    """Reserve the group for `seconds` after what is queued (and not before
+    `earliest`); the end time."""
+    start = max(self.clock.now(), self.busy_until, earliest)
     if self.cores is not None:
       start, _ = self.cores.reserve(start, seconds)
     self.busy_until = start + seconds

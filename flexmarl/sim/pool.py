@@ -3,12 +3,14 @@
 The same decisions as the real `train.engine.TrainingEngine`, made by the same pure
 functions: `train.allocator.allocate` picks which waiting agent gets which mesh, and
 `train.allocator.evict_lru` which host-resident states go to storage when the host
-budget would be exceeded. Carrying them out costs simulated time on the mesh: a
-resident's state leaves (`SWAP_OUT`, to host memory) before the bound agent's arrives
-(`SWAP_IN`, from host memory, or from storage if it was evicted there), each its
-train-state bytes over the link's bandwidth. Prefetching (the real engine copies the
-next agent's state while the mesh still computes) is not modelled: a swap occupies
-the mesh, an upper bound on what swaps cost.
+budget would be exceeded. Carrying them out costs simulated time on the mesh's link to
+host memory (its own track, 'link/MESH'), one transfer at a time, each an agent's
+train-state bytes over the link's bandwidth: the bound agent's state arrives
+(`SWAP_IN`, from host memory, or from storage if it was evicted there) while the mesh
+may still compute for the resident (the real engine prefetches it so), and its work
+starts once both are done; the resident's state then leaves (`SWAP_OUT`) once its
+work is done, while the new agent computes. Memory for the two states at once is
+assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
 
 `team.Agent` calls it as it calls the real engine: `submit` work, `run`, `step_stats`.
 """
@@ -30,7 +32,7 @@ LAYOUT = 'pool'  # every mesh of a simulated pool has the one shape its agents t
 
 
 class SimTrainingPool:
-  """meshes: the pool's device groups (one per mesh, each its own track).
+  """meshes: the pool's device groups (one per mesh, each its own track 'train/MESH').
   state_bytes: each agent's train state (what a swap moves).
   host_bytes_per_s / storage_bytes_per_s: a mesh's link to host memory and to storage.
   host_budget: bytes of host memory for released states (0: unlimited)."""
@@ -44,6 +46,8 @@ class SimTrainingPool:
                        f'storage_bytes_per_s > 0 (got {storage_bytes_per_s}).')
     self.clock, self.trainers = clock, dict(trainers)
     self.meshes = {m.track: m for m in meshes}
+    self.links = {name: DeviceGroup(clock, name.replace('train/', 'link/', 1),
+                                    recorder=m.recorder) for name, m in self.meshes.items()}
     self.state_bytes = dict(state_bytes)
     self.bandwidth = {HOST: host_bytes_per_s, STORAGE: storage_bytes_per_s}
     self.host_budget = host_budget
@@ -97,17 +101,20 @@ class SimTrainingPool:
     resident = self.bound[mesh]
     if resident == agent:
       return
-    if resident is not None:
-      self._release(resident)
     if self.where[agent] in self.meshes:  # moving: its state goes through the host
       self._release(agent)
-    self._swap(agent, mesh, spans.SWAP_IN, self.where[agent])
+    group = self.meshes[mesh]
+    arrived = self._swap(agent, mesh, spans.SWAP_IN, self.where[agent])
+    if resident is not None:
+      self._release(resident)
+    group.busy_until = max(group.busy_until, arrived)  # its work waits for its state
     self.bound[mesh], self.where[agent] = agent, mesh
-    self.trainers[agent].group = self.meshes[mesh]
+    self.trainers[agent].group = group
 
   def _release(self, agent: str) -> None:
+    """The agent's state leaves its mesh for host memory once its work there is done."""
     mesh = self.where[agent]
-    self._swap(agent, mesh, spans.SWAP_OUT, HOST)
+    self._swap(agent, mesh, spans.SWAP_OUT, HOST, after=self.meshes[mesh].busy_until)
     self.bound[mesh], self.where[agent] = None, HOST
     if not self.host_budget:
       return
@@ -116,16 +123,22 @@ class SimTrainingPool:
     for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
       self.where[evicted] = STORAGE  # written by the host; no mesh waits for it
 
-  def _swap(self, agent: str, mesh: str, name: str, other_end: str) -> None:
-    """Move `agent`'s state between `mesh` and HOST/STORAGE, on the mesh's timeline."""
+  def _swap(self, agent: str, mesh: str, name: str, other_end: str, after: float = 0.0
+            ) -> float:
+    """Move `agent`'s state between `mesh` and HOST/STORAGE on the mesh's link, not
+    before `after`; the end time."""
     nbytes = self.state_bytes[agent]
     seconds = transfer_time(nbytes, self.bandwidth[other_end])
-    self.meshes[mesh].run(name, seconds, agent=agent, bytes=nbytes, other_end=other_end)
+    compute_free = self.meshes[mesh].busy_until
+    end = self.links[mesh].run(name, seconds, after, agent=agent, bytes=nbytes,
+                               other_end=other_end)
     stats = self._stats[agent]
     stats['swaps'] += 1
     stats['swap_bytes'] += nbytes
     stats['swap_s'] += seconds
-    stats['swap_wait_s'] += seconds  # the mesh's work waits for the whole swap
+    if name == spans.SWAP_IN:  # how long the agent's work waits for it past the mesh
+      stats['swap_wait_s'] += max(0.0, end - max(compute_free, self.clock.now()))
+    return end
 
   def step_stats(self, agent: str) -> dict:
     stats, self._stats[agent] = self._stats[agent], self._empty()

@@ -24,13 +24,18 @@ FLOPs over the 6N per token of forward and backward), or, to calibrate against a
 measured machine, from explicit `rates`: {decode_step_s, decode_token_s,
 prefill_token_s, train_token_s, optimizer_s, sync_s} and optionally {call_s,
 micro_batch_s} (per generate call, per micro-batch; see
-experiments/benchmarks/calibrate.py). An agent may give its own `global_batch` and
-`micro_batch` (rows); else the setup's apply. `padded_batches` (setup, default False)
+experiments/benchmarks/calibrate.py) and {load_s, offload_s} (a colocated trainer's phase
+changes), with `state_bytes` (what a swap moves) for a training pool. An agent may give
+its own `global_batch` and `micro_batch` (rows); else the setup's apply. `padded_batches` (setup, default False)
 charges the padded shapes the embedded JAX sampler and trainer compute (see
 SimSampler.padded_rows, SimTrainer.padded): set it to model this framework's own
 backends, leave it off for engines that skip padding. `shared_cores` (setup, default 0:
 devices independent) lets at most that many device operations run at once, for devices
-that share a host's cores (flexmarl/sim/cores.py). `links` (setup): the bandwidths of
+that share a host's cores (flexmarl/sim/cores.py). `train_devices_per_row` (setup,
+default 0: no limit): the most devices one row of a micro-batch keeps busy in training
+(data parallelism over rows; a trainer on more devices than micro-batch rows x this
+runs no faster). `decode_step_overhead_s` (setup, default 0): latency of a decode step
+beyond reading the weights (costs.decode_rates). `links` (setup): the bandwidths of
 a device's link to host memory and of storage (`host_bytes_per_s_per_device`,
 `storage_bytes_per_s`), for swaps and colocated phase changes; `compile_s` (setup):
 {train, rollout} seconds of a first call per model and mesh shape.
@@ -61,7 +66,7 @@ from flexmarl.tokenizer import TextTokenizer
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')
-OPTIONAL_RATE_FIELDS = ('call_s', 'micro_batch_s')
+OPTIONAL_RATE_FIELDS = ('call_s', 'micro_batch_s', 'load_s', 'offload_s')
 # The fewest rows an embedded generate call computes (EmbeddedSampler's `min_batch`).
 EMBEDDED_MIN_BATCH = inspect.signature(EmbeddedSampler).parameters['min_batch'].default
 
@@ -76,7 +81,8 @@ class AgentCosts:
 
 
 def agent_costs(a: ml_collections.ConfigDict, accelerator: str, train_devices: int,
-                train_mfu: float = costs.TRAIN_MFU, train_recompute: float = 1.0) -> AgentCosts:
+                train_mfu: float = costs.TRAIN_MFU, train_recompute: float = 1.0,
+                decode_step_overhead_s: float = 0.0) -> AgentCosts:
   """An agent's rates: explicit `rates`, else from its model on the named accelerator,
   training on a mesh of `train_devices`."""
   rates = a.get('rates')
@@ -97,7 +103,7 @@ def agent_costs(a: ml_collections.ConfigDict, accelerator: str, train_devices: i
     raise ConfigError(f'config.train_recompute={train_recompute}: it multiplies the 6N '
                       'FLOPs per token of forward and backward, so it is at least 1.')
   m, accel = specs.model(a.model), specs.accelerator(accelerator)
-  return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp),
+  return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp, decode_step_overhead_s),
                     train_recompute * costs.train_time(m, 1, train_devices, accel, train_mfu),
                     costs.optimizer_time(m, train_devices, accel),
                     costs.weight_sync_time(m, a.rollout_tp, accel))
@@ -267,11 +273,15 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
   for name, a in spec.agents.items():
     s = setup.agents[name]
     devices = placement.train[name].shape[-1]
+    if setup.get('train_devices_per_row'):  # data parallel over a micro-batch's rows
+      devices = min(devices, a.micro_batch * setup.train_devices_per_row)
     c = agent_costs(s, setup.cluster.accelerator, devices, setup.get('train_mfu', costs.TRAIN_MFU),
-                    setup.get('train_recompute', 1.0))
+                    setup.get('train_recompute', 1.0), setup.get('decode_step_overhead_s', 0.0))
     load_s = offload_s = 0.0
     sync_s = c.sync_s
-    if colocated and not s.get('rates'):
+    if colocated and s.get('rates'):
+      load_s, offload_s = s.rates.get('load_s', 0.0), s.rates.get('offload_s', 0.0)
+    elif colocated:
       load_s, offload_s, sync_s = colocated_costs(specs.model(s.model), devices, s.rollout_tp,
                                                   host)
 
@@ -298,7 +308,8 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
     pools[name].params = trainers[name].params
   engine = None
   if placement.pool:
-    state = {n: costs.train_state_bytes(specs.model(setup.agents[n].model)) for n in trainers}
+    state = {n: setup.agents[n].get('state_bytes')
+             or costs.train_state_bytes(specs.model(setup.agents[n].model)) for n in trainers}
     links = setup.get('links', {})
     engine = SimTrainingPool(clock, trainers, list(groups.values()), state,
                              placement.pool[0].shape[-1] * host,
