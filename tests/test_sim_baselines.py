@@ -81,3 +81,33 @@ def test_first_calls_compile_and_warm_up_steps_are_left_out():
   setup.warmup_steps = 2
   with pytest.raises(ValueError, match='warmup_steps=2'):
     simulate(setup, 'sync')
+
+
+def test_pool_sends_least_recently_used_states_to_storage():
+  # One mesh, three agents taking turns (a, b, c, a), each piece of work 1 s; a state is
+  # 1 GB, the host link moves 1 GB/s, storage 0.5 GB/s, host memory holds one state.
+  # Every state starts on the host.
+  # a: in [0, 1], works [1, 2].
+  # b: in [1, 2], works [2, 3]; a out [2, 3]: a and c (never used) on the host exceed the
+  #    budget, the least recently used (c) goes to storage.
+  # c: in from storage [3, 5], works [5, 6]; b out [5, 6]: a to storage.
+  # a: in from storage [6, 8], works [8, 9]; c out [8, 9]: b (not c, newer) to storage.
+  import types
+  from flexmarl.clock import SimClock
+  from flexmarl.sim.devices import DeviceGroup
+  from flexmarl.sim.pool import HOST, STORAGE, SimTrainingPool
+  clock = SimClock()
+  mesh = DeviceGroup(clock, 'train/pool0')
+  trainers = {n: types.SimpleNamespace(group=None) for n in 'abc'}
+  pool = SimTrainingPool(clock, trainers, [mesh], dict.fromkeys('abc', int(1e9)), 1e9, 0.5e9,
+                         host_budget=int(1.5e9))
+  ends = []
+  for name in 'abca':
+    pool.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
+    pool.run()
+  assert ends == [2.0, 3.0, 6.0, 9.0]
+  assert pool.where == {'a': 'train/pool0', 'b': STORAGE, 'c': HOST}
+  assert pool.links['train/pool0'].busy_until == 9.0
+  stats = pool.step_stats('a')
+  assert stats['swaps'] == 3 and stats['swap_s'] == pytest.approx(1 + 1 + 2)
+  assert stats['meshes'] == 'train/pool0'

@@ -14,7 +14,8 @@ Config fields the simulator reads: cluster, training_meshes, agents.<name>.{mode
 rollout_tp, train_devices, min_instances, group_size, prompt_tokens, response_tokens},
 workflow, global_batch, micro_batch, query_parallelism, query_concurrency,
 branch_parallelism, balance_threshold, train_mfu, train_devices_per_row,
-decode_step_overhead_s, links, compile_s, warmup_steps, schedules, steps, seed; `paper`
+decode_step_overhead_s, links, compile_s, warmup_steps, step_query_stride, schedules,
+steps, seed; `paper`
 holds the published figures to compare against.
 """
 
@@ -55,7 +56,7 @@ SOURCES = {
     'train_devices_per_row': 'assumed: 1 (training is data parallel over a micro-batch\'s rows)',
     'group_size': 'assumed: 16 samples per prompt (a global batch of 64 rows is 4 queries)',
     'prompt_tokens': 'assumed: lognormal, median 1024, sigma 0.3',
-    'response_tokens': 'assumed: lognormal, router median 64 (sigma 0.3), specialists 1024 '
+    'response_tokens': 'assumed: lognormal, router median 64 (sigma 0.3), specialists 512 '
                        '(sigma 0.6), at most 8192',
     'workflow': 'assumed: a router, then one specialist per query, Zipf-skewed',
     'compile_s': 'assumed: 60 s per model and mesh shape, first step only (left out: '
@@ -75,7 +76,7 @@ def agent(model: str, response_median: int, response_sigma: float = 0.6,
 
 
 def router_team(router_model: str, specialist_models: list[str], zipf: float = 1.0,
-                router_response: int = 64, specialist_response: int = 1024) -> dict:
+                router_response: int = 64, specialist_response: int = 512) -> dict:
   """A router that sends each query to one specialist, Zipf-skewed over the specialists
   (the hot ones first): the load skew the balancer exists for."""
   agents = {'router': agent(router_model, router_response, response_sigma=0.3)}
@@ -93,6 +94,7 @@ def paper_config(team: dict, paper_step_time_s: dict[str, float] | None = None
   config.seed = 0
   config.steps = 6
   config.warmup_steps = 1
+  config.step_query_stride = 1_000_000  # the same queries in every variant's step k
   config.schedules = SCHEDULES
   meshes = FIT['training_meshes']
   config.cluster = dict(nodes=48, devices_per_node=16, accelerator='ascend-910c-die',

@@ -20,7 +20,11 @@ moving weights and optimizer states, agents trained at once) and `agents_in_turn
 balance no load, as the systems they stand for.
 
 The step time reported is the mean over the steps after `warmup_steps` (setup, default
-0), so that compilation (`compile_s`) shows only where it recurs.
+0), so that compilation (`compile_s`) shows only where it recurs. With
+`step_query_stride` = n > 0 (setup), step k serves queries from index k·n on, so every
+variant's step k serves the same queries (common random numbers: how many queries a
+step needs varies a lot, and variants compared on different queries differ by that
+noise); 0 keeps one stream across steps, as a real run does.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from flexmarl.metrics.utilization import Usage, critical_path, group_usage, trac
 from flexmarl.metrics.writer import TEAM
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.sim.team import build_sim_team, sim_team_spec, sim_workflow, train_tracks
+from flexmarl.sim.tokenizer import FastCharTokenizer
 from flexmarl.sim.turns import AgentsInTurn
-from flexmarl.tokenizer import build_char_tokenizer
 
 
 
@@ -128,7 +132,7 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
     recorder = (SpanRecorder.for_workdir(clock, workdir) if workdir != tmp
                 else SpanRecorder(clock))
     tags = StepTags(recorder)
-    tokenizer = build_char_tokenizer()
+    tokenizer = FastCharTokenizer()
     spec = sim_team_spec(setup, v.schedule, v.balance, tokenizer, v.colocated)
     agents = build_sim_team(spec, setup, clock, tokenizer, tags)
     orch = JointOrchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
@@ -137,8 +141,11 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
       orch.schedule = AgentsInTurn()
     team, windows = [], []
     try:
+      stride = setup.get('step_query_stride', 0)
       for step in range(setup.steps):
         tags.step = step
+        if stride:
+          orch.next_query = step * stride
         t0 = clock.now()
         team.append(orch.run_step()[TEAM])
         windows.append((t0, clock.now()))
