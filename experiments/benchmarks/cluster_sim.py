@@ -1,7 +1,7 @@
 """Every paper setup under every variant in the simulator, next to the paper's figures,
 and where FlexMARL's gain comes from.
 
-  python experiments/benchmarks/cluster_sim.py [--setups=merchant,category] [--steps=6]
+  python experiments/benchmarks/cluster_sim.py [--setups=merchant,category] [--steps=8]
       [--gain_map=gain_map.png]
 
 Prints per setup: each variant's mean step time (after the warm-up step), the paper's
@@ -10,8 +10,9 @@ utilization of the rollout and training pools (simulated seconds), queries per s
 instance moves, FlexMARL's speed-up over each baseline, and the real seconds the setup
 took. The merchant assistant's figures are the ones the workload was fitted on
 (experiments/sim/paper.py, FIT); the category assistant's are predicted with the same
-parameters; the scalability mixes have no published step times. Then the assumptions
-(every workload parameter and its source).
+parameters; the scalability mixes have no published step times (and skip `agents_in_turn`, a rollout
+per agent per step, unless --mix_turns). Then the assumptions (every workload parameter
+and its source).
 
 With --gain_map, draws FlexMARL's gain over the colocated baseline (MARTI) on the
 merchant workload against the ratio of training to rollout time (training made costlier
@@ -50,8 +51,11 @@ SKEW = (0.0, 0.5, 1.0, 1.5, 2.0)
 
 _SETUPS = flags.DEFINE_list('setups', list(SETUPS), f'Any of {list(SETUPS)}.')
 _SCHEDULES = flags.DEFINE_list('schedules', list(paper.SCHEDULES), f'Any of {list(VARIANTS)}.')
-_STEPS = flags.DEFINE_integer('steps', 6, 'Simulated steps per variant (the first is '
-                              'warm-up: it compiles).')
+_STEPS = flags.DEFINE_integer('steps', 8, 'Simulated steps per variant of the merchant and '
+                              'category setups (the first is warm-up: it compiles).')
+_MIX_STEPS = flags.DEFINE_integer('mix_steps', 3, 'Simulated steps per variant of a '
+                                  'scalability mix.')
+_MIX_TURNS = flags.DEFINE_bool('mix_turns', False, 'Also run agents_in_turn on the mixes.')
 _TURN_STEPS = flags.DEFINE_integer('turn_steps', 3, 'Simulated steps of agents_in_turn (each '
                                    'is one rollout and update per agent).')
 _GAIN_MAP = flags.DEFINE_string('gain_map', None, 'Draw the gain map into this PNG.')
@@ -60,18 +64,23 @@ _MAP_STEPS = flags.DEFINE_integer('map_steps', 3, 'Simulated steps per gain-map 
 
 def run_setup(name: str) -> None:
   make, role = SETUPS[name]
+  mix = name not in ('merchant', 'category')
+  steps = _MIX_STEPS.value if mix else _STEPS.value
+  variants = [v for v in _SCHEDULES.value
+              if not (mix and v == 'agents_in_turn' and not _MIX_TURNS.value)]
   t0 = time.perf_counter()
   results = []
-  for variant in _SCHEDULES.value:
+  for variant in variants:
     setup = make()
-    setup.steps = _TURN_STEPS.value if variant == 'agents_in_turn' else _STEPS.value
+    setup.steps = _TURN_STEPS.value if variant == 'agents_in_turn' else steps
     results.append(simulate(setup, variant))
   setup = make()
-  print(f'\n## {name} ({role}): {len(setup.agents)} agents, {_STEPS.value} steps '
+  print(f'\n## {name} ({role}): {len(setup.agents)} agents, {steps} steps '
         f'({_TURN_STEPS.value} of agents_in_turn), the first left out, '
         f'{setup.query_concurrency} queries in flight, {setup.training_meshes} training '
         f'meshes (simulated in {time.perf_counter() - t0:.1f}s)')
   print(format_results(results, dict(setup.paper.step_time_s)))
+  print('real seconds per variant: ' + ', '.join(f'{r.variant} {r.wall_s:.1f}' for r in results))
 
 
 def gain_point(cost: float, skew: float) -> tuple[float, float]:

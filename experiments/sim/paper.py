@@ -13,7 +13,7 @@ the simulator reads, with where it comes from (`SOURCES`, printed beside the res
 Config fields the simulator reads: cluster, training_meshes, agents.<name>.{model,
 rollout_tp, train_devices, min_instances, group_size, prompt_tokens, response_tokens},
 workflow, global_batch, micro_batch, query_parallelism, query_concurrency,
-branch_parallelism, balance_threshold, train_mfu, train_devices_per_row,
+branch_parallelism, balance_threshold, train_mfu, train_recompute, train_devices_per_row,
 decode_step_overhead_s, links, compile_s, warmup_steps, step_query_stride, schedules,
 steps, seed; `paper`
 holds the published figures to compare against.
@@ -31,14 +31,14 @@ FIT = dict(
     # Seconds of forward + backward per token, as a fraction of peak at 6N FLOPs/token: it
     # absorbs what the cost model leaves out (recomputed old/reference logprobs, padding,
     # sequence lengths, a low MFU on short RL micro-batches).
-    train_mfu=0.08,
+    train_mfu=0.035,
     # Latency of a decode step beyond reading the weights (the per-layer all-reduces of a
     # 16-way tensor-parallel instance, kernel launches).
-    decode_step_overhead_s=0.025,
-    # Queries in flight in the rollout engine (the paper's 4 queries x 16 branches = 64).
-    query_concurrency=64,
+    decode_step_overhead_s=0.018,
+    # Queries in flight in the rollout engine.
+    query_concurrency=48,
     # Training meshes of one node each; the other nodes roll out.
-    training_meshes=2,
+    training_meshes=5,
 )
 
 SOURCES = {
@@ -48,7 +48,8 @@ SOURCES = {
     'links.host_bytes_per_s_per_device': 'derived: the paper\'s 11 s swap of a 32B state, '
                                          'over a 16-device mesh',
     'training_meshes / train_nodes': f'fitted: {FIT["training_meshes"]} meshes of one node',
-    'train_mfu': f'fitted: {FIT["train_mfu"]}',
+    'train_mfu': f'fitted: {FIT["train_mfu"]} (an effective efficiency: see FIT)',
+    'train_recompute': 'assumed: 1 (recomputed old/reference logprobs are inside train_mfu)',
     'decode_step_overhead_s': f'fitted: {FIT["decode_step_overhead_s"]} s',
     'query_concurrency': f'fitted: {FIT["query_concurrency"]} queries in flight',
     'rollout_tp': 'assumed: 16 (one instance per node, any model)',
@@ -107,6 +108,7 @@ def paper_config(team: dict, paper_step_time_s: dict[str, float] | None = None
   config.branch_parallelism = 16
   config.balance_threshold = 5
   config.train_mfu = FIT['train_mfu']
+  config.train_recompute = 1.0
   config.train_devices_per_row = 1
   config.decode_step_overhead_s = FIT['decode_step_overhead_s']
   config.links = dict(host_bytes_per_s_per_device=costs.HOST_BYTES_PER_S_PER_DEVICE,
