@@ -59,7 +59,7 @@ _MIX_TURNS = flags.DEFINE_bool('mix_turns', False, 'Also run agents_in_turn on t
 _TURN_STEPS = flags.DEFINE_integer('turn_steps', 3, 'Simulated steps of agents_in_turn (each '
                                    'is one rollout and update per agent).')
 _GAIN_MAP = flags.DEFINE_string('gain_map', None, 'Draw the gain map into this PNG.')
-_MAP_STEPS = flags.DEFINE_integer('map_steps', 3, 'Simulated steps per gain-map point.')
+_MAP_STEPS = flags.DEFINE_integer('map_steps', 5, 'Simulated steps per gain-map point.')
 
 
 def run_setup(name: str) -> None:
@@ -106,7 +106,10 @@ def draw_gain_map(path: str) -> None:
   for s in SKEW:
     ratio = [points[c, s][1] for c in TRAIN_COST]
     left.plot(ratio, [points[c, s][0] for c in TRAIN_COST], 'o-', label=f'Zipf {s}')
-  left.set(xscale='log', xlabel='training / rollout time of the colocated baseline',
+  left.set_xscale('log')
+  left.set_xticks([0.2, 0.5, 1, 2], ['0.2', '0.5', '1', '2'])
+  left.minorticks_off()
+  left.set(xlabel='training / rollout time of the colocated baseline',
            ylabel='FlexMARL speed-up over colocated (MARTI)',
            title='gain vs training-to-rollout ratio')
   for c in TRAIN_COST:

@@ -35,7 +35,7 @@ class SimTrainer:
   micro_batch_s: seconds per micro-batch whatever its size (launch; calibrated).
   padded: charge every token slot of the padded micro-batch (as the JAX trainer computes
   it: power-of-two rows, widths rounded up), not only the real tokens.
-  group: the device group it runs on (`DeviceGroup`); a pool rebinds it.
+  group: the device group it runs on (`DeviceGroup`); None in a pool, which binds it.
   load_s / offload_s: a colocated trainer's phase changes (see the module doc); 0: none.
   compile: the team's `CompileCache` and this trainer's key in it (model and mesh shape).
   """
@@ -43,7 +43,7 @@ class SimTrainer:
   batch_multiple = 1
 
   def __init__(self, name: str, clock: SimClock, token_s: float, optimizer_s: float, *,
-               group: DeviceGroup, micro_batch_s: float = 0.0, padded: bool = False,
+               group: DeviceGroup | None, micro_batch_s: float = 0.0, padded: bool = False,
                load_s: float = 0.0, offload_s: float = 0.0,
                compile: tuple[CompileCache, Hashable] | None = None):
     if min(token_s, optimizer_s, micro_batch_s, load_s, offload_s) < 0:
