@@ -1,11 +1,12 @@
 """Simulate a paper setup on a cluster of any size, in seconds of wall time:
 
   python -m flexmarl.simulate --config=experiments/sim/merchant_assistant.py \
-      [--schedules=sync,sync_parallel,flexmarl] [--workdir=DIR]
+      [--schedules=flexmarl,colocated,agents_in_turn] [--workdir=DIR]
 
-Prints, per schedule, the mean step time, rollout time, critical-path bound and the
-utilization of the rollout and training pools, in simulated seconds, next to the
-paper's figures (see `flexmarl.sim.run`). With --workdir, each schedule's spans go to
+Prints, per variant (FlexMARL, its ablations, the baselines as built, the exact
+references; `flexmarl.sim.run.VARIANTS`), the system it stands for, the mean step time
+beside the paper's figure, the rollout time, critical-path bound and the utilization of
+the rollout and training pools, in simulated seconds. With --workdir, each schedule's spans go to
 DIR/SCHEDULE/trace.json (Perfetto opens it).
 """
 

@@ -93,3 +93,19 @@ def test_paper_setups_fit_the_cluster_they_describe():
   assert models['15x14b'] == ['qwen2.5-14b'] * 15
   assert {'qwen2.5-14b', 'qwen2.5-32b'} == set(models['category'])
   assert merchant_assistant.get_config().paper.step_time_s.flexmarl == 126.1
+
+
+def test_fast_char_tokenizer_gives_the_reference_ids_and_text():
+  import numpy as np
+  from flexmarl.sim.tokenizer import FastCharTokenizer
+  from flexmarl.tokenizer import DEFAULT_CHARS, build_char_tokenizer
+  ref, fast = build_char_tokenizer(), FastCharTokenizer()
+  rng = np.random.default_rng(0)
+  for n in (0, 1, 7, 300):
+    text = ''.join(rng.choice(list(DEFAULT_CHARS), n))
+    assert fast.encode(text) == ref.encode(text)
+    ids = fast.encode(text) + [ref.eos_id, 5, ref.pad_id]  # BOS first; stops at EOS
+    assert fast.decode(ids) == ref.decode(ids) == text
+    assert fast.decode(np.array([ref.pad_id, *ids[1:]])) == ref.decode([ref.pad_id, *ids[1:]])
+  with pytest.raises(ValueError, match="character 'A'"):
+    fast.encode('aA')

@@ -38,9 +38,12 @@ PREFILL_MFU = 0.35
 DECODE_HBM_EFFICIENCY = 0.7
 DECODE_MFU = 0.2
 # The paper: swapping a 32B agent's state in or out takes about 11 s (hidden behind rollout).
-# The effective bandwidth that gives; taken per trainer, whatever its mesh size.
+# The effective bandwidth that gives (per trainer), and per device assuming, as the paper's
+# setups suggest but do not say, that the trainer was one node's 16 devices: 2.6 GB/s each.
 PAPER_SWAP_S_32B = 11.0
 SWAP_BYTES_PER_S = QWEN25_32B.params * TRAIN_STATE_BYTES_PER_PARAM / PAPER_SWAP_S_32B
+PAPER_SWAP_DEVICES = 16
+HOST_BYTES_PER_S_PER_DEVICE = SWAP_BYTES_PER_S / PAPER_SWAP_DEVICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +73,17 @@ def train_state_bytes(m: ModelSpec) -> int:
   return m.params * TRAIN_STATE_BYTES_PER_PARAM
 
 
-def decode_rates(m: ModelSpec, accel: Accelerator, tp: int) -> DecodeRates:
-  """Rates of an instance of `m` tensor-parallel over `tp` devices of `accel`."""
-  if tp < 1:
-    raise ValueError(f'tp={tp}: an instance needs at least one device.')
+def decode_rates(m: ModelSpec, accel: Accelerator, tp: int, step_overhead_s: float = 0.0
+                 ) -> DecodeRates:
+  """Rates of an instance of `m` tensor-parallel over `tp` devices of `accel`.
+  step_overhead_s: a decode step's latency beyond reading the weights (kernel launches,
+  the tensor-parallel all-reduces of every layer); not derived, to be measured or fitted."""
+  if tp < 1 or step_overhead_s < 0:
+    raise ValueError(f'tp={tp}, step_overhead_s={step_overhead_s}: an instance needs at '
+                     'least one device, and an overhead is >= 0 seconds.')
   return DecodeRates(
-      step_s=param_bytes(m) / (tp * accel.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY),
+      step_s=step_overhead_s + param_bytes(m) / (tp * accel.hbm_bytes_per_s
+                                                 * DECODE_HBM_EFFICIENCY),
       token_s=2 * m.params / (tp * accel.peak_flops * DECODE_MFU),
       prefill_token_s=2 * m.params / (tp * accel.peak_flops * PREFILL_MFU))
 

@@ -11,7 +11,7 @@ the simulator counts time, not text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from flexmarl.metrics.spans import SpanRecorder
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams, bucket
 from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.costs import DecodeRates, generation_time
+from flexmarl.sim.devices import CompileCache
 
 
 def response_lengths(keys: np.ndarray, median: float, sigma: float, max_tokens: int) -> np.ndarray:
@@ -53,12 +54,15 @@ class SimSampler:
   n > 0 charges as the embedded JAX sampler computes: the batch padded to a power of
   two of at least n rows, every row decoding until the longest ends.
   cores: a `SharedCores` the instance's work also waits for (devices on shared cores).
+  compile: the team's `CompileCache` and this instance's key in it (model and shape): the
+  first generate call of a key also compiles.
   """
 
   def __init__(self, clock: SimClock, rates: DecodeRates, response_tokens: Mapping[str, float],
                sync_s: float = 0.0, *, agent: str = '', vocab: int = 64, version: int = 0,
                recorder: SpanRecorder | None = None, track: str = '', padded_rows: int = 0,
-               cores: SharedCores | None = None):
+               cores: SharedCores | None = None,
+               compile: tuple[CompileCache, Hashable] | None = None):
     missing = {'median', 'sigma', 'max'} - set(response_tokens)
     if missing:
       raise ValueError(f'response_tokens={dict(response_tokens)} lacks {sorted(missing)}; give '
@@ -70,7 +74,7 @@ class SimSampler:
     self.rates = rates
     self.response_tokens = dict(response_tokens)
     self.sync_s = sync_s
-    self.padded_rows, self.cores = padded_rows, cores
+    self.padded_rows, self.cores, self.compile = padded_rows, cores, compile
     self.agent = agent
     self.vocab = vocab
     self.version = version
@@ -104,7 +108,11 @@ class SimSampler:
     charged = lengths
     if self.padded_rows and len(lengths):
       charged = np.full(bucket(max(len(lengths), self.padded_rows)), lengths.max())
-    start, finish = self._reserve(generation_time(charged, prompt_tokens, self.rates))
+    seconds = generation_time(charged, prompt_tokens, self.rates)
+    if self.compile is not None:
+      cache, key = self.compile
+      seconds += cache.cost(key)
+    start, finish = self._reserve(seconds)
     if self.recorder is not None:
       self.recorder.add(self.track, spans.GENERATE, start, finish, agent=self.agent,
                         version=self.version, tokens=int(lengths.sum()), rows=len(prompts))

@@ -3,25 +3,42 @@
 `JointOrchestrator`, schedules, rollout engine, balancer and batch builders run in
 simulated time.
 
-Placement of a setup: each agent's training mesh takes `train_devices` consecutive
-devices of the training pool (`cluster.train_nodes`); the rollout pool
-(`cluster.rollout_nodes`) is split evenly by devices between the agents, each instance
-`rollout_tp` devices. The balancer moves instances only between agents of the same
-`rollout_tp` (it is the instance shape the spec's `mesh_shape` carries here; a
-simulated trainer's speed comes from `train_devices`).
+Placements of a setup:
+- separate (FlexMARL): the rollout pool (`cluster.rollout_nodes`) is split evenly by
+  devices between the agents, each instance `rollout_tp` devices; the training pool
+  (`cluster.train_nodes`) gives each agent a mesh of `train_devices` of its own, or,
+  with `training_meshes` = k > 0, k meshes of `train_devices` that the agents take
+  turns on (`sim.pool`: the real allocator's decisions, swaps charged at the links'
+  bandwidths).
+- colocated (hybrid engines such as MARTI's): the whole cluster is split evenly between
+  the agents; an agent's instances and its trainer share its devices. Its trainer
+  spans all of them; before training it offloads the instances' weights and loads its
+  train state, after the optimizer step it offloads that state, and the instances load
+  their weights back (see `colocated_costs`).
+The balancer moves instances only between agents of the same `rollout_tp` (it is the
+instance shape the spec's `mesh_shape` carries here).
 
 Costs come from the agent's `model` (flexmarl.sim.specs) on `cluster.accelerator` (at
-`train_mfu`, default costs.TRAIN_MFU), or,
-to calibrate against a measured machine, from explicit `rates`: {decode_step_s,
-decode_token_s, prefill_token_s, train_token_s, optimizer_s, sync_s} and optionally
-{call_s, micro_batch_s} (per generate call, per micro-batch; see
-experiments/benchmarks/calibrate.py). An agent may give its own `global_batch` and
-`micro_batch` (rows); else the setup's apply. `padded_batches` (setup, default False)
+`train_mfu`, default costs.TRAIN_MFU, times `train_recompute`, default 1: the training
+FLOPs over the 6N per token of forward and backward), or, to calibrate against a
+measured machine, from explicit `rates`: {decode_step_s, decode_token_s,
+prefill_token_s, train_token_s, optimizer_s, sync_s} and optionally {call_s,
+micro_batch_s} (per generate call, per micro-batch; see
+experiments/benchmarks/calibrate.py) and {load_s, offload_s} (a colocated trainer's phase
+changes), with `state_bytes` (what a swap moves) for a training pool. An agent may give
+its own `global_batch` and `micro_batch` (rows); else the setup's apply. `padded_batches` (setup, default False)
 charges the padded shapes the embedded JAX sampler and trainer compute (see
 SimSampler.padded_rows, SimTrainer.padded): set it to model this framework's own
 backends, leave it off for engines that skip padding. `shared_cores` (setup, default 0:
 devices independent) lets at most that many device operations run at once, for devices
-that share a host's cores (flexmarl/sim/cores.py).
+that share a host's cores (flexmarl/sim/cores.py). `train_devices_per_row` (setup,
+default 0: no limit): the most devices one row of a micro-batch keeps busy in training
+(data parallelism over rows; a trainer on more devices than micro-batch rows x this
+runs no faster). `decode_step_overhead_s` (setup, default 0): latency of a decode step
+beyond reading the weights (costs.decode_rates). `links` (setup): the bandwidths of
+a device's link to host memory and of storage (`host_bytes_per_s_per_device`,
+`storage_bytes_per_s`), for swaps and colocated phase changes; `compile_s` (setup):
+{train, rollout} seconds of a first call per model and mesh shape.
 """
 
 from __future__ import annotations
@@ -39,7 +56,9 @@ from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
+from flexmarl.sim.devices import CompileCache, DeviceGroup
 from flexmarl.sim.instances import SimSampler
+from flexmarl.sim.pool import SimTrainingPool
 from flexmarl.sim.trainer import SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
 from flexmarl.team import Agent
@@ -47,7 +66,7 @@ from flexmarl.tokenizer import TextTokenizer
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')
-OPTIONAL_RATE_FIELDS = ('call_s', 'micro_batch_s')
+OPTIONAL_RATE_FIELDS = ('call_s', 'micro_batch_s', 'load_s', 'offload_s')
 # The fewest rows an embedded generate call computes (EmbeddedSampler's `min_batch`).
 EMBEDDED_MIN_BATCH = inspect.signature(EmbeddedSampler).parameters['min_batch'].default
 
@@ -61,9 +80,11 @@ class AgentCosts:
   micro_batch_s: float = 0.0
 
 
-def agent_costs(a: ml_collections.ConfigDict, accelerator: str,
-                train_mfu: float = costs.TRAIN_MFU) -> AgentCosts:
-  """An agent's rates: explicit `rates`, else from its model on the named accelerator."""
+def agent_costs(a: ml_collections.ConfigDict, accelerator: str, train_devices: int,
+                train_mfu: float = costs.TRAIN_MFU, train_recompute: float = 1.0,
+                decode_step_overhead_s: float = 0.0) -> AgentCosts:
+  """An agent's rates: explicit `rates`, else from its model on the named accelerator,
+  training on a mesh of `train_devices`."""
   rates = a.get('rates')
   if rates:
     missing = [f for f in RATE_FIELDS if f not in rates]
@@ -78,44 +99,103 @@ def agent_costs(a: ml_collections.ConfigDict, accelerator: str,
                                         rates.prefill_token_s, rates.get('call_s', 0.0)),
                       rates.train_token_s, rates.optimizer_s, rates.sync_s,
                       rates.get('micro_batch_s', 0.0))
+  if train_recompute < 1:
+    raise ConfigError(f'config.train_recompute={train_recompute}: it multiplies the 6N '
+                      'FLOPs per token of forward and backward, so it is at least 1.')
   m, accel = specs.model(a.model), specs.accelerator(accelerator)
-  return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp),
-                    costs.train_time(m, 1, a.train_devices, accel, train_mfu),
-                    costs.optimizer_time(m, a.train_devices, accel),
+  return AgentCosts(costs.decode_rates(m, accel, a.rollout_tp, decode_step_overhead_s),
+                    train_recompute * costs.train_time(m, 1, train_devices, accel, train_mfu),
+                    costs.optimizer_time(m, train_devices, accel),
                     costs.weight_sync_time(m, a.rollout_tp, accel))
 
 
-def sim_placement(setup: ml_collections.ConfigDict) -> placement_lib.Placement:
-  """Training meshes from the training pool, instances from an even split of the rollout
-  pool (or `instances` per agent where the setup gives it)."""
+def host_link(setup: ml_collections.ConfigDict) -> float:
+  """Bytes/s one device moves to or from host memory (`links`, default costs')."""
+  return setup.get('links', {}).get('host_bytes_per_s_per_device',
+                                    costs.HOST_BYTES_PER_S_PER_DEVICE)
+
+
+def colocated_costs(model: specs.ModelSpec, devices: int, tp: int, host_bytes_per_s: float
+                    ) -> tuple[float, float, float]:
+  """A colocated agent's phase changes over its `devices`, each moving bytes over every
+  device's host link at once: (load, offload, instance reload) seconds. Load: offload
+  the instances' bf16 weights and load the train state; offload: the train state back
+  to host; reload: an instance of `tp` devices takes its (new) weights back from host."""
+  state, weights = costs.train_state_bytes(model), costs.param_bytes(model)
+  return (costs.transfer_time(weights + state, devices * host_bytes_per_s),
+          costs.transfer_time(state, devices * host_bytes_per_s),
+          costs.transfer_time(weights, tp * host_bytes_per_s))
+
+
+def _instances(first: int, count: int, tp: int) -> tuple[placement_lib.MeshPlacement, ...]:
+  return tuple(placement_lib.MeshPlacement(tuple(range(first + i * tp, first + (i + 1) * tp)),
+                                           (1, tp)) for i in range(count))
+
+
+def colocated_placement(setup: ml_collections.ConfigDict) -> placement_lib.Placement:
+  """The whole cluster split evenly between the agents; each agent's trainer spans its
+  share and its instances tile it."""
   c, agents = setup.cluster, setup.agents
-  train_ids = iter(range(c.train_nodes * c.devices_per_node))
-  first_rollout = c.train_nodes * c.devices_per_node
-  rollout_devices = c.rollout_nodes * c.devices_per_node
+  share = c.nodes * c.devices_per_node // len(agents)
+  train, rollout = {}, {}
+  for k, (name, a) in enumerate(agents.items()):
+    if share < a.rollout_tp:
+      raise ConfigError(f'config.agents.{name}.rollout_tp={a.rollout_tp}: a colocated share '
+                        f'of the cluster is {share} devices; add nodes or lower rollout_tp.')
+    devs = tuple(range(k * share, (k + 1) * share))
+    train[name] = placement_lib.MeshPlacement(devs, (1, share))
+    rollout[name] = _instances(devs[0], share // a.rollout_tp, a.rollout_tp)
+  placement = placement_lib.Placement('shared', train, rollout)
+  placement_lib.check(placement)
+  return placement
+
+
+def sim_placement(setup: ml_collections.ConfigDict, colocated: bool = False
+                  ) -> placement_lib.Placement:
+  """Separate pools (training meshes from the training pool, instances from an even
+  split of the rollout pool or `instances` per agent where the setup gives it), or
+  `colocated` (see the module doc)."""
+  if colocated:
+    return colocated_placement(setup)
+  c, agents = setup.cluster, setup.agents
   if c.train_nodes + c.rollout_nodes > c.nodes:
     raise ConfigError(f'config.cluster: train_nodes={c.train_nodes} + rollout_nodes='
                       f'{c.rollout_nodes} exceed nodes={c.nodes}; shrink one of the pools.')
+  train_devices = c.train_nodes * c.devices_per_node
+  meshes = setup.get('training_meshes', 0)
+  pool = ()
+  if meshes:
+    sizes = {a.train_devices for a in agents.values()}
+    if len(sizes) != 1 or meshes * min(sizes) > train_devices:
+      raise ConfigError(f'config.training_meshes={meshes}: a pool of meshes needs one '
+                        f'train_devices for every agent (got {sorted(sizes)}) and '
+                        f'meshes x train_devices <= {train_devices} (the training nodes).')
+    size = sizes.pop()
+    pool = tuple(placement_lib.MeshPlacement(tuple(range(i * size, (i + 1) * size)), (1, size))
+                 for i in range(meshes))
+  train_ids = iter(range(train_devices))
+  first_rollout = train_devices
+  rollout_devices = c.rollout_nodes * c.devices_per_node
   share = rollout_devices // len(agents)
   train, rollout, next_rollout = {}, {}, first_rollout
   for name, a in agents.items():
-    devs = tuple(next(train_ids, None) for _ in range(a.train_devices))
-    if None in devs:
-      raise ConfigError(f'config.agents.{name}.train_devices={a.train_devices}: the training '
-                        f'pool ({c.train_nodes} nodes) is used up; add train_nodes or shrink '
-                        'the meshes.')
-    train[name] = placement_lib.MeshPlacement(devs, (1, a.train_devices))
+    if pool:
+      train[name] = placement_lib.MeshPlacement((), (1, a.train_devices))
+    else:
+      devs = tuple(next(train_ids, None) for _ in range(a.train_devices))
+      if None in devs:
+        raise ConfigError(f'config.agents.{name}.train_devices={a.train_devices}: the '
+                          f'training pool ({c.train_nodes} nodes) is used up; add train_nodes, '
+                          'shrink the meshes, or set training_meshes to share them.')
+      train[name] = placement_lib.MeshPlacement(devs, (1, a.train_devices))
     count = a.get('instances') or share // a.rollout_tp
     if count < 1 or next_rollout + count * a.rollout_tp > first_rollout + rollout_devices:
       raise ConfigError(f'config.agents.{name}: {count} rollout instances of {a.rollout_tp} '
                         f'devices do not fit the rollout pool ({rollout_devices} devices); '
                         'add rollout_nodes or lower instances / rollout_tp.')
-    insts = []
-    for _ in range(count):
-      insts.append(placement_lib.MeshPlacement(
-          tuple(range(next_rollout, next_rollout + a.rollout_tp)), (1, a.rollout_tp)))
-      next_rollout += a.rollout_tp
-    rollout[name] = tuple(insts)
-  placement = placement_lib.Placement('separate', train, rollout)
+    rollout[name] = _instances(next_rollout, count, a.rollout_tp)
+    next_rollout += count * a.rollout_tp
+  placement = placement_lib.Placement('separate', train, rollout, pool)
   placement_lib.check(placement)
   return placement
 
@@ -127,9 +207,9 @@ def sim_workflow(setup: ml_collections.ConfigDict) -> RouterWorkflow:
 
 
 def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool,
-                  tokenizer: TextTokenizer) -> TeamSpec:
+                  tokenizer: TextTokenizer, colocated: bool = False) -> TeamSpec:
   """The TeamSpec the real orchestrator reads, for one schedule of a setup."""
-  placement = sim_placement(setup)
+  placement = sim_placement(setup, colocated)
   prompt_max = max(a.prompt_tokens['max'] for a in setup.agents.values())
   response_max = max(a.response_tokens['max'] for a in setup.agents.values())
   cfg = ml_collections.ConfigDict(dict(
@@ -164,38 +244,78 @@ class NoCheckpoints:
     pass
 
 
+def train_tracks(placement: placement_lib.Placement) -> list[str]:
+  """The span tracks of the training device groups: one per pool mesh, or per agent."""
+  if placement.pool:
+    return [f'train/pool{i}' for i in range(len(placement.pool))]
+  return [f'train/{name}' for name in placement.train]
+
+
 def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimClock,
                    tokenizer: TextTokenizer, recorder=None) -> dict[str, Agent]:
-  """`team.Agent`s of simulated trainers and instances, placed as `spec.placement` says.
+  """`team.Agent`s of simulated trainers and instances, placed as `spec.placement` says
+  (colocated when its mode is 'shared'; a training pool when it has one).
 
-  recorder: anything with SpanRecorder's `add`; tracks are 'train/AGENT' and
+  recorder: anything with SpanRecorder's `add`; tracks are `train_tracks` and
   'rollout/FIRST_DEVICE' (an instance keeps its track when it moves to another agent).
   """
-  agents = {}
+  placement = spec.placement
+  colocated = placement.mode == 'shared'
   padded = bool(setup.get('padded_batches', False))
   cores = SharedCores(setup.shared_cores) if setup.get('shared_cores') else None
+  compile_s = setup.get('compile_s', {})
+  train_compiled = CompileCache(compile_s.get('train', 0.0))
+  rollout_compiled = CompileCache(compile_s.get('rollout', 0.0))
+  host = host_link(setup)
+  tracks = train_tracks(placement)
+  groups = {t: DeviceGroup(clock, t, cores, recorder) for t in tracks}
+  trainers, pools = {}, {}
   for name, a in spec.agents.items():
     s = setup.agents[name]
-    c = agent_costs(s, setup.cluster.accelerator, setup.get('train_mfu', costs.TRAIN_MFU))
+    devices = placement.train[name].shape[-1]
+    if setup.get('train_devices_per_row'):  # data parallel over a micro-batch's rows
+      devices = min(devices, a.micro_batch * setup.train_devices_per_row)
+    c = agent_costs(s, setup.cluster.accelerator, devices, setup.get('train_mfu', costs.TRAIN_MFU),
+                    setup.get('train_recompute', 1.0), setup.get('decode_step_overhead_s', 0.0))
+    load_s = offload_s = 0.0
+    sync_s = c.sync_s
+    if colocated and s.get('rates'):
+      load_s, offload_s = s.rates.get('load_s', 0.0), s.rates.get('offload_s', 0.0)
+    elif colocated:
+      load_s, offload_s, sync_s = colocated_costs(specs.model(s.model), devices, s.rollout_tp,
+                                                  host)
 
-    def new(devices, version, name=name, s=s, c=c) -> SimSampler:
-      return SimSampler(clock, c.decode, s.response_tokens.to_dict(), c.sync_s, agent=name,
+    def new(devices, version, name=name, s=s, c=c, sync_s=sync_s) -> SimSampler:
+      return SimSampler(clock, c.decode, s.response_tokens.to_dict(), sync_s, agent=name,
                         vocab=tokenizer.vocab_size, version=version, recorder=recorder,
                         track=f'rollout/{devices[0]}' if recorder is not None else '',
-                        padded_rows=EMBEDDED_MIN_BATCH if padded else 0, cores=cores)
+                        padded_rows=EMBEDDED_MIN_BATCH if padded else 0, cores=cores,
+                        compile=(rollout_compiled, (s.get('model'), s.rollout_tp)))
 
     def make(devices, params, version, new=new) -> SimSampler:
       sampler = new(devices, version)
       sampler.update_weights(params, version)  # an adopted instance loads the agent's weights
       return sampler
 
-    trainer = SimTrainer(name, clock, c.train_token_s, c.optimizer_s,
-                         micro_batch_s=c.micro_batch_s, padded=padded, cores=cores,
-                         recorder=recorder, track=f'train/{name}')
+    group = groups[f'train/{name}'] if not placement.pool else None
+    trainers[name] = SimTrainer(name, clock, c.train_token_s, c.optimizer_s, group=group,
+                                micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
+                                offload_s=offload_s,
+                                compile=(train_compiled, (s.get('model'), devices)))
     instances = [Instance(f'{name}/{j}', m.devices, new(m.devices, 0))
-                 for j, m in enumerate(spec.placement.rollout[name])]
-    pool = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
-    pool.params = trainer.params
-    agents[name] = Agent(a, trainer, pool, NoCheckpoints(), prompt_len=spec.max_prompt_len,
-                         pad_id=tokenizer.pad_id, clock=clock)
-  return agents
+                 for j, m in enumerate(placement.rollout[name])]
+    pools[name] = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
+    pools[name].params = trainers[name].params
+  engine = None
+  if placement.pool:
+    state = {n: setup.agents[n].get('state_bytes')
+             or costs.train_state_bytes(specs.model(setup.agents[n].model)) for n in trainers}
+    links = setup.get('links', {})
+    engine = SimTrainingPool(clock, trainers, list(groups.values()), state,
+                             placement.pool[0].shape[-1] * host,
+                             links.get('storage_bytes_per_s', 0.0),
+                             int(setup.get('host_budget_bytes', 0)))
+  return {name: Agent(a, trainers[name], pools[name], NoCheckpoints(),
+                      prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id, clock=clock,
+                      engine=engine)
+          for name, a in spec.agents.items()}
