@@ -7,6 +7,7 @@ import pytest
 from experiments import hierarchical_assistant
 from flexmarl import gpu_memory as gm
 from flexmarl.config import build_team_spec
+from flexmarl.rollout import vllm_check
 from flexmarl.errors import ConfigError
 from flexmarl.tokenizer import build_char_tokenizer
 from flexmarl.train.pool import param_count, state_nbytes
@@ -30,6 +31,13 @@ def test_plan_shares_the_first_gpu_and_keeps_the_users_values(engines, environ, 
   text = s.describe()
   assert f'{jax_share:.4g}' in text and ('(yours)' in text) == bool(environ or given)
   assert ('vLLM engine' in text) == bool(engines)
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch):
+  """Specs with rollout.backend=vllm are planned as on a GPU: no CPU attention head-size
+  limit (the tiny model's heads are 16 wide) stands in front of the memory checks."""
+  monkeypatch.setattr(vllm_check, 'cpu_head_sizes', lambda: None)
 
 
 def test_shares_that_do_not_add_up_are_refused_on_a_gpu():
