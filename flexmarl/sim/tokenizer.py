@@ -23,8 +23,8 @@ class FastCharTokenizer(TextTokenizer):
     for c in chars:
       self._ids[ord(c)] = vocab[c]
     self._chars = np.array([''] * self.vocab_size, dtype=object)
-    for c in chars:
-      self._chars[vocab[c]] = c
+    for token, i in vocab.items():  # special tokens show as themselves, as in the reference
+      self._chars[i] = token
 
   def encode(self, text: str) -> list[int]:
     raw = np.frombuffer(text.encode('ascii', errors='replace'), np.uint8)
@@ -35,7 +35,7 @@ class FastCharTokenizer(TextTokenizer):
 
   def decode(self, ids) -> str:
     ids = np.asarray(ids, np.int64)
-    ends = np.flatnonzero(ids == self.eos_id)
+    ends = np.flatnonzero(np.isin(ids, self.stop_ids))
     if len(ends):
       ids = ids[:ends[0]]
     return ''.join(self._chars[ids].tolist())
