@@ -15,76 +15,109 @@ holds the update that trained on them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-import jax
 import numpy as np
 
-from flexmarl import placement as placement_lib
-from flexmarl.clock import Clock, RealClock
+from flexmarl.clock import Clock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
+from flexmarl.interfaces import Stats
 from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.summary import format_step, write_summary
+from flexmarl.metrics.team import team_line
 from flexmarl.metrics.writer import TEAM, MetricsWriter
-from flexmarl.rollout.balancer import Balancer, Limits
-from flexmarl.rollout.engine import EpisodeResult, RolloutEngine
-from flexmarl.schedules import make_schedule
-from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.team import Agent, build_team
-from flexmarl.tokenizer import TextTokenizer, per_agent
+from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.schedules import Lines, Schedule, StepResult
+from flexmarl.team import Agent
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
 
-class JointOrchestrator:
+class Rollout:
+  """One step's rollout as it streams: iterating gives each query's groups per agent
+  (only agents it served), in stream order, each group already journaled; it ends after
+  `rollout.max_step_queries` queries. `queries` and `tokens` (response tokens per agent)
+  count what was consumed so far."""
 
-  def __init__(self, spec: TeamSpec, workflow: Workflow,
-               tokenizer: TextTokenizer | Mapping[str, TextTokenizer], workdir: str,
-               devices: Sequence[jax.Device] | None = None, clock: Clock | None = None,
-               agents: Mapping[str, Agent] | None = None):
-    """`tokenizer`: the team's, or each agent's. `clock` and `agents` default to the wall
-    clock and the team `build_team` makes on `devices`; a simulator passes its own
-    (simulated instances and trainers)."""
-    tokenizers = per_agent(tokenizer, spec.agents)
+  def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal):
+    self._results, self._journal = results, journal
+    self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
+    self._limit = spec.rollout.max_step_queries
+    self.queries = 0
+    self.tokens = {n: 0 for n in spec.agents}
+
+  def __iter__(self) -> Iterator[dict[str, list[Group]]]:
+    for result in self._results:
+      self.queries += 1
+      arrival = {n: g for n, g in groups_of(result, self._normalize).items() if g}
+      for name, groups in arrival.items():
+        self._journal.record(name, groups)
+        self.tokens[name] += sum(len(t) for g in groups for t in g.turn.tokens)
+      yield arrival
+      if self.queries >= self._limit:
+        return
+
+
+class JointOrchestrator:
+  """Runs a built team (see `flexmarl.build`): the step loop, metrics, save and restore.
+  It is the schedule's `StepContext`: the schedule calls back only through `rollout`,
+  `accumulate`, `update`, `publish` and `version`."""
+
+  def __init__(self, spec: TeamSpec, workflow: Workflow, agents: Mapping[str, Agent],
+               engine: RolloutEngine, journal: Journal, schedule: Schedule, workdir: str,
+               clock: Clock, recorder: spans.SpanRecorder):
     self.spec, self.workflow, self.workdir = spec, workflow, workdir
-    self.clock = clock or RealClock()
-    # Every generate call, micro-batch, optimizer step, weight sync and store write, as
-    # a span: `WORKDIR/trace.json` (Perfetto) and utilization in the metrics.
-    self.recorder = spans.SpanRecorder(self.clock)
-    placement_lib.check_resume(spec.placement, workdir)
-    placement_lib.save(spec.placement, workdir)
-    self.agents = dict(agents) if agents is not None else build_team(
-        spec, spec.placement, tokenizers, workdir, devices or jax.devices(), self.recorder)
-    r = spec.rollout
-    balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
-                          for n, a in spec.agents.items()},
-                         r.balance_threshold, r.balance_cooldown_s)
-                if r.balance and r.backend == 'embedded' else None)  # a vLLM move: a restart
-    self.engine = RolloutEngine(
-        {n: a.pool for n, a in self.agents.items()},
-        {n: a.sampling for n, a in spec.agents.items()},
-        {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
-        clock=self.clock, concurrency=r.query_concurrency, admission=r.admission,
-        max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
-        recorder=self.recorder)
-    self.journal = Journal(ExperienceStore.open(os.path.join(workdir, 'store'),
-                                                agents=list(spec.agents)), list(spec.agents),
-                           self.recorder)
-    self.schedule = make_schedule(spec)
-    # Each agent's rows served, not yet trained on: its batch at its current version
-    # (a BatchBuilder), or under `async:k` every row still fresh enough (a StaleBuffer).
-    self.buffers = {n: self.schedule.new_buffer(a) for n, a in spec.agents.items()}
+    self.agents, self.engine, self.journal = dict(agents), engine, journal
+    self.schedule, self.clock, self.recorder = schedule, clock, recorder
     self.step = 0
     self.next_query = 0
     self._rebalances_logged = 0
+
+  # -- the step context: what a schedule calls ------------------------------------------
+
+  def version(self, name: str) -> int:
+    return self.agents[name].version
+
+  def query(self, index: int) -> Query:
+    """Query `index` of the run's stream; it depends only on (seed, index)."""
+    return self.workflow.make_query(np.random.default_rng([self.spec.seed, index]), f'q{index}')
+
+  @contextlib.contextmanager
+  def rollout(self) -> Iterator[Rollout]:
+    """Stream queries from the next unconsumed one (see `Rollout`). Leaving the block
+    abandons the queries still in flight: they are served again next step (at the next
+    version), so what a step consumes depends only on the stream."""
+    source = ((i, self.query(i)) for i in itertools.count(self.next_query))
+    results = self.engine.stream(self.workflow, source)
+    rollout = Rollout(results, self.spec, self.journal)
+    try:
+      yield rollout
+    finally:
+      results.close()
+      self.next_query += rollout.queries
+
+  def accumulate(self, name: str, micro: Sequence[Group]) -> None:
+    """Dispatch one micro-batch's gradient of agent `name`."""
+    self.agents[name].accumulate(micro)
+
+  def update(self, name: str, batch: Sequence[Group],
+             micro_batches: Sequence[Sequence[Group]]) -> Callable[[], Stats]:
+    """Dispatch agent `name`'s update on `batch` (see `Agent.update`); its rows are
+    marked trained on in the store once a checkpoint holds the update."""
+    self.journal.trained(name, batch)
+    return self.agents[name].update(batch, micro_batches)
+
+  def publish(self, name: str) -> None:
+    self.agents[name].publish()
 
   # -- versions and persistence -------------------------------------------------------
 
@@ -100,12 +133,11 @@ class JointOrchestrator:
       return 0
     for name, agent in self.agents.items():
       meta = metas[name]
-      agent.trainer.load_train_state(states[name], meta['version'])
-      agent.publish()
+      agent.restore(states[name], meta['version'])
       self.next_query = meta['next_query']
-      for g in self._carried_groups(name, step, meta['buffer'], log):
-        self.buffers[name].add(g)
-      carried = [s for g in self.buffers[name].kept for s in g.turn.sample_ids]
+      groups = self._carried_groups(name, step, meta['buffer'], log)
+      self.schedule.carry(name, groups)
+      carried = [s for g in groups for s in g.turn.sample_ids]
       if carried and self.journal.store.count(name, sample_ids=carried, consumed=True):
         raise RuntimeError(
             f'agent {name!r}: checkpoint {step} carries rows that the store marks consumed '
@@ -143,83 +175,34 @@ class JointOrchestrator:
     every pending append is durable before any checkpoint is written."""
     self.journal.flush()
     meta = {'step': self.step, 'next_query': self.next_query}
+    carried = self.schedule.carried()
     for name, agent in self.agents.items():
       agent.checkpointer.save(self.step, agent.trainer.train_state(),
                               dict(meta, version=agent.version,
-                                   buffer=[group_ref(g) for g in self.buffers[name].kept]))
+                                   buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():
       agent.checkpointer.wait()
     self.journal.checkpointed()
 
-  # -- what the schedules call --------------------------------------------------------
+  # -- a step -------------------------------------------------------------------------
 
-  def query(self, index: int) -> Query:
-    """Query `index` of the run's stream; it depends only on (seed, index)."""
-    return self.workflow.make_query(np.random.default_rng([self.spec.seed, index]), f'q{index}')
-
-  def rollout(self, take: Callable[[str, list[Group]], None], done: Callable[[], bool]
-              ) -> tuple[int, dict[str, int]]:
-    """Stream queries from the next unconsumed one, handing each query's groups to
-    `take` in stream order, until `done()` or `rollout.max_step_queries` queries.
-
-    Queries still in flight then are abandoned and served again next step (at the
-    next version), so what a step consumes depends only on the stream.
-    Returns the number of queries consumed and, per agent, the response tokens."""
-    tokens = {n: 0 for n in self.spec.agents}
-    normalize = {n: a.grpo.normalize_std for n, a in self.spec.agents.items()}
-    count = 0
-
-    def consume(result: EpisodeResult) -> bool:
-      nonlocal count
-      count += 1
-      for name, groups in groups_of(result, normalize).items():
-        if groups:
-          self.journal.record(name, groups)
-          take(name, groups)
-          tokens[name] += sum(len(t) for g in groups for t in g.turn.tokens)
-      return done() or count >= self.spec.rollout.max_step_queries
-
-    source = ((i, self.query(i)) for i in itertools.count(self.next_query))
-    consumed = self.engine.stream(self.workflow, source, consume)
-    self.next_query += consumed
-    return consumed, tokens
-
-  def start_step(self, name: str, batch: Sequence[Group],
-                 micro_batches: Sequence[Sequence[Group]]) -> Callable[[], dict[str, float]]:
-    """Dispatch the agent's update on `batch` (see `Agent.start_step`)."""
-    self.journal.trained(name, batch)
-    return self.agents[name].start_step(batch, micro_batches)
-
-  def train_agent(self, name: str) -> dict[str, float]:
-    """Train the agent on its full batch, wait for the step, publish the new weights."""
-    builder = self.buffers[name]
-    stats = self.start_step(name, builder.kept, builder.micro_batches(final=True))()
-    self.agents[name].publish()
-    return stats
-
-  def run_step(self) -> dict[str, dict[str, float]]:
-    """One step of the configured schedule; returns its metrics lines."""
+  def run_step(self) -> Lines:
+    """One step of the configured schedule; returns its metrics lines (per agent, and
+    the team's). Queues the step's rows for the store and logs the balancer's moves."""
     self.recorder.step = self.step + 1  # the step the metrics lines will carry
-    return self.schedule.run_step(self)
-
-  def finish_step(self, lines: dict[str, dict[str, float]], t0: float, rollout_s: float,
-                  queries: int) -> dict[str, dict[str, float]]:
-    """Add step times, instance counts and the team line; queue the step's rows for
-    the store; log the balancer's moves."""
+    t0 = self.clock.now()
+    result: StepResult = self.schedule.run_step(self)
     step_s = self.clock.now() - t0
-    tokens = sum(l['tokens'] for l in lines.values())
+    lines = result.lines
     for name, line in lines.items():
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
       line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
     self.journal.write()
-    lines[TEAM] = dict(self._utilization(), **dict(
-        reward_mean=float(np.nanmean([l['reward_mean'] for l in lines.values()])),
-        reward_std=float(np.nanmean([l['reward_std'] for l in lines.values()])),
-        accuracy=float(np.nanmean([l['accuracy'] for l in lines.values()])),
-        policy_version=self.step, tokens=tokens, step_time_s=step_s, rollout_s=rollout_s,
-        train_s=step_s - rollout_s, queries=queries, tokens_per_s=tokens / step_s,
-        updated=sum(l['updated'] for l in lines.values()), rebalances=self._log_rebalances()))
+    lines[TEAM] = team_line(lines, step_s=step_s, rollout_s=result.rollout_s,
+                            queries=result.queries, tokens=result.tokens,
+                            rebalances=self._log_rebalances(),
+                            utilization=self._utilization())
     self.step += 1
     return lines
 

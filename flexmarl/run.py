@@ -41,7 +41,8 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   from flexmarl import workdir as workdirs
   from flexmarl.config import (build_team_spec, check_prompt_lengths, tokenizer_paths,
                                vllm_demand)
-  from flexmarl.orchestrator import JointOrchestrator
+  from flexmarl.build import build_orchestrator
+  from flexmarl.clock import RealClock
   from flexmarl.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow, check_workflow_api
@@ -81,7 +82,8 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   for name, path in paths.items():  # an agent's own tokenizer, beside the team's
     if path != config.tokenizer:
       tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
-  return JointOrchestrator(spec, workflow, tokenizers, workdir)
+  return build_orchestrator(spec, workflow, tokenizers, workdir, clock=RealClock(),
+                            devices=devices)
 
 
 def _jax_started() -> bool:

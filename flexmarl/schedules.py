@@ -30,128 +30,167 @@ fixed by the step count alone, so runs stay reproducible and resumable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ContextManager, Protocol
 
 from flexmarl.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer, batch_stats
-from flexmarl.team import Agent
+from flexmarl.interfaces import Stats
 
 Lines = dict[str, dict[str, float]]
 
 
+class Rollout(Protocol):
+  """A step's rollout as it streams: each query's groups per agent, in stream order."""
+
+  queries: int  # consumed so far
+  tokens: dict[str, int]  # response tokens per agent, so far
+
+  def __iter__(self) -> Iterator[dict[str, list[Group]]]:
+    ...
+
+
 class StepContext(Protocol):
-  """What a schedule may use of the run that calls it (the JointOrchestrator): the team,
-  each agent's buffer of served rows, and the run's rollout and training calls. Declared
-  here so that the schedules never import the orchestrator."""
+  """What a schedule may use of the run (the JointOrchestrator implements it)."""
 
-  spec: TeamSpec
   clock: Clock
-  agents: Mapping[str, Agent]
-  buffers: dict[str, BatchBuilder | StaleBuffer]
 
-  def rollout(self, take: Callable[[str, list[Group]], None], done: Callable[[], bool]
-              ) -> tuple[int, dict[str, int]]:
-    """Stream queries, handing each query's groups to `take`, until `done()`."""
+  def version(self, name: str) -> int:
+    """Agent `name`'s version: the updates it has had."""
 
-  def start_step(self, name: str, batch: Sequence[Group],
-                 micro_batches: Sequence[Sequence[Group]]) -> Callable[[], dict[str, float]]:
-    """Dispatch an agent's update; the returned function waits and gives its stats."""
+  def rollout(self) -> ContextManager[Rollout]:
+    """Stream queries; leaving the block abandons those in flight (served next step)."""
 
-  def train_agent(self, name: str) -> dict[str, float]:
-    """Train an agent on its full batch, wait, publish."""
+  def accumulate(self, name: str, micro: Sequence[Group]) -> None:
+    """Dispatch one micro-batch's gradient."""
 
-  def finish_step(self, lines: Lines, t0: float, rollout_s: float, queries: int) -> Lines:
-    """Complete the step's metrics lines and queue its rows for the store."""
+  def update(self, name: str, batch: Sequence[Group],
+             micro_batches: Sequence[Sequence[Group]]) -> Callable[[], Stats]:
+    """Dispatch an agent's update (the micro-batches of `batch` not yet accumulated,
+    then the optimizer step); the agent is at its next version at once. The returned
+    function waits and gives the update's stats."""
+
+  def publish(self, name: str) -> None:
+    """The agent's instances serve its last update's weights from now on."""
+
+
+@dataclasses.dataclass
+class StepResult:
+  lines: Lines  # per agent
+  rollout_s: float
+  queries: int  # consumed by the step
+  tokens: int  # response tokens served, all agents
 
 
 class Schedule(Protocol):
+  """Runs one step through a `StepContext`; owns each agent's buffer of served rows not
+  yet trained on, and says which of them a checkpoint carries over."""
 
-  def new_buffer(self, spec: AgentSpec) -> BatchBuilder | StaleBuffer:
-    """An agent's empty buffer of served rows not yet trained on."""
+  def run_step(self, ctx: StepContext) -> StepResult:
+    """One step: roll out, train, publish."""
 
-  def run_step(self, orch: StepContext) -> Lines:
-    """One step: roll out, train, publish; returns the per-agent metrics lines."""
+  def carried(self) -> dict[str, list[Group]]:
+    """Per agent, the groups served and not yet trained on that a checkpoint keeps."""
+
+  def carry(self, name: str, groups: Sequence[Group]) -> None:
+    """Take back groups a checkpoint carried (on restore)."""
 
 
 class Sync:
   """Roll out, then train the full agents one after another."""
 
-  pipelined = False
+  pipelined = False  # train micro-batches while the rollout goes on (FlexPipeline)
 
-  def new_buffer(self, spec: AgentSpec) -> BatchBuilder:
+  def __init__(self, agents: Mapping[str, AgentSpec]):
+    self.agents = dict(agents)
+    self.buffers = {n: self.new_buffer(a) for n, a in self.agents.items()}
+
+  @staticmethod
+  def new_buffer(spec: AgentSpec) -> BatchBuilder:
     return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
                         spec.grpo.dynamic_sampling)
 
-  def on_groups(self, orch: StepContext, name: str, early: dict[str, int],
-                stepped: dict[str, Callable]) -> None:
-    """Called as an agent's groups arrive (pipelined schedules start work here)."""
+  def carried(self) -> dict[str, list[Group]]:
+    return {n: list(b.kept) for n, b in self.buffers.items()}
 
-  def train(self, orch: StepContext, full: list[str], stepped: dict[str, Callable]
-            ) -> dict[str, dict[str, float]]:
-    return {name: orch.train_agent(name) for name in full}
+  def carry(self, name: str, groups: Sequence[Group]) -> None:
+    for g in groups:
+      self.buffers[name].add(g)
 
-  def run_step(self, orch: StepContext) -> Lines:
-    t0 = orch.clock.now()
-    versions = {n: a.version for n, a in orch.agents.items()}
-    early = {n: 0 for n in orch.agents}
-    stepped: dict[str, Callable[[], dict[str, float]]] = {}
-
-    def take(name: str, groups: list[Group]) -> None:
-      for g in groups:
-        orch.buffers[name].add(g)  # once the batch is full, surplus
-      self.on_groups(orch, name, early, stepped)
-
-    queries, served = orch.rollout(take, lambda: all(b.full for b in orch.buffers.values()))
-    rollout_s = orch.clock.now() - t0
-    full = [n for n, b in orch.buffers.items() if b.full]
-    stats = self.train(orch, full, stepped)
+  def run_step(self, ctx: StepContext) -> StepResult:
+    t0 = ctx.clock.now()
+    versions = {n: ctx.version(n) for n in self.buffers}
+    early = dict.fromkeys(self.buffers, 0)  # micro-batches trained during the rollout
+    updates: dict[str, Callable[[], Stats]] = {}  # dispatched during the rollout
+    with ctx.rollout() as rollout:
+      for arrival in rollout:
+        for name, groups in arrival.items():
+          builder = self.buffers[name]
+          for g in groups:
+            builder.add(g)  # once the batch is full, surplus
+          if self.pipelined and name not in updates:
+            # Dispatched, not awaited: each runs on the agent's training devices while
+            # the rollout goes on; the optimizer step too, once the batch is full.
+            for micro in builder.micro_batches(final=builder.full):
+              ctx.accumulate(name, micro)
+              early[name] += 1
+            if builder.full:
+              updates[name] = ctx.update(name, builder.kept, [])
+        if all(b.full for b in self.buffers.values()):
+          break
+    rollout_s = ctx.clock.now() - t0
+    full = [n for n, b in self.buffers.items() if b.full]
+    stats = self.train(ctx, full, updates)
     lines: Lines = {}
-    for name, builder in orch.buffers.items():
+    for name, builder in self.buffers.items():
       line = dict(batch_stats(builder.kept), policy_version=versions[name],
-                  tokens=served[name], rows=builder.kept_rows, updated=int(name in stats),
-                  early_micro_batches=early[name], filtered_rows=builder.filtered_rows)
+                  tokens=rollout.tokens[name], rows=builder.kept_rows,
+                  updated=int(name in stats), early_micro_batches=early[name],
+                  filtered_rows=builder.filtered_rows)
       if name in stats:
         line.update(surplus_rows=builder.surplus_rows, **stats[name])
-        orch.buffers[name] = self.new_buffer(orch.spec.agents[name])
+        self.buffers[name] = self.new_buffer(self.agents[name])
       lines[name] = line
-    return orch.finish_step(lines, t0, rollout_s, queries)
+    return StepResult(lines, rollout_s, rollout.queries, sum(rollout.tokens.values()))
+
+  def train(self, ctx: StepContext, full: list[str], updates: dict[str, Callable[[], Stats]]
+            ) -> dict[str, Stats]:
+    """Train every full agent on its batch and publish; `updates`: those dispatched
+    already. Returns each one's stats."""
+    stats = {}
+    for name in full:
+      builder = self.buffers[name]
+      stats[name] = ctx.update(name, builder.kept, builder.micro_batches(final=True))()
+      ctx.publish(name)
+    return stats
 
 
 class SyncParallel(Sync):
   """Roll out, then train the full agents at the same time: every agent's update is
   dispatched (each on its own training devices) before any is awaited."""
 
-  def train(self, orch, full, stepped):
-    finishes = {name: orch.start_step(name, orch.buffers[name].kept,
-                                      orch.buffers[name].micro_batches(final=True))
+  def train(self, ctx, full, updates):
+    finishes = {name: ctx.update(name, self.buffers[name].kept,
+                                 self.buffers[name].micro_batches(final=True))
                 for name in full}
     stats = {name: finish() for name, finish in finishes.items()}
     for name in full:
-      orch.agents[name].publish()
+      ctx.publish(name)
     return stats
 
 
 class FlexPipeline(Sync):
-  """The micro-batch pipeline: train each micro-batch as soon as it is complete."""
+  """The micro-batch pipeline: train each micro-batch as soon as it is complete; the
+  new weights are published at the end of the step."""
 
-  def on_groups(self, orch, name, early, stepped):
-    if name in stepped:
-      return
-    builder = orch.buffers[name]
-    # Dispatched, not awaited: each runs on the agent's training devices while the
-    # rollout goes on; the optimizer step too, once the batch is full.
-    for micro in builder.micro_batches(final=builder.full):
-      orch.agents[name].accumulate(micro)
-      early[name] += 1
-    if builder.full:
-      stepped[name] = orch.start_step(name, builder.kept, [])
+  pipelined = True
 
-  def train(self, orch, full, stepped):
-    stats = {name: stepped[name]() for name in full}
+  def train(self, ctx, full, updates):
+    stats = {name: updates[name]() for name in full}
     for name in full:
-      orch.agents[name].publish()
+      ctx.publish(name)
     return stats
 
 
@@ -159,53 +198,58 @@ class Async:
   """`async:k`: agents with a full buffer train while the rollout serves the weights
   from before those updates; publish when both are done."""
 
-  def __init__(self, max_staleness: int):
-    self.max_staleness = max_staleness
+  def __init__(self, agents: Mapping[str, AgentSpec], max_staleness: int):
+    self.agents, self.max_staleness = dict(agents), max_staleness
+    self.buffers = {n: StaleBuffer(a.global_batch, a.micro_batch // a.group_size,
+                                   max_staleness, a.grpo.dynamic_sampling)
+                    for n, a in self.agents.items()}
 
-  def new_buffer(self, spec: AgentSpec) -> StaleBuffer:
-    return StaleBuffer(spec.global_batch, spec.micro_batch // spec.group_size,
-                       self.max_staleness, spec.grpo.dynamic_sampling)
+  def carried(self) -> dict[str, list[Group]]:
+    return {n: list(b.kept) for n, b in self.buffers.items()}
 
-  def run_step(self, orch: StepContext) -> Lines:
-    t0 = orch.clock.now()
-    specs = orch.spec.agents
-    versions = {n: a.version for n, a in orch.agents.items()}
-    dropped = {n: b.drop_stale(versions[n]) for n, b in orch.buffers.items()}
-    batches = {n: b.take() for n, b in orch.buffers.items()
+  def carry(self, name: str, groups: Sequence[Group]) -> None:
+    for g in groups:
+      self.buffers[name].add(g)
+
+  def run_step(self, ctx: StepContext) -> StepResult:
+    t0 = ctx.clock.now()
+    specs = self.agents
+    versions = {n: ctx.version(n) for n in specs}
+    dropped = {n: b.drop_stale(versions[n]) for n, b in self.buffers.items()}
+    batches = {n: b.take() for n, b in self.buffers.items()
                if b.fresh_rows(versions[n]) >= specs[n].global_batch}
     # The versions this step's rows will be trained at, at the earliest.
     after = {n: v + (n in batches) for n, v in versions.items()}
     served: dict[str, list[Group]] = {n: [] for n in specs}
-
-    def take(name: str, groups: list[Group]) -> None:
-      served[name] += groups
-      for g in groups:
-        orch.buffers[name].add(g)
-
-    def done() -> bool:
-      return all(b.fresh_rows(after[n]) >= specs[n].global_batch
-                 for n, b in orch.buffers.items())
-
     # Dispatched, not awaited: the updates run on the training devices while the
     # rollout serves the weights the instances hold (from before these updates).
-    training = {n: orch.start_step(n, [g for m in micro for g in m], micro)
+    training = {n: ctx.update(n, [g for m in micro for g in m], micro)
                 for n, micro in batches.items()}
-    queries, tokens = orch.rollout(take, done)
-    rollout_s = orch.clock.now() - t0
+    with ctx.rollout() as rollout:
+      for arrival in rollout:
+        for name, groups in arrival.items():
+          served[name] += groups
+          for g in groups:
+            self.buffers[name].add(g)
+        if all(b.fresh_rows(after[n]) >= specs[n].global_batch
+               for n, b in self.buffers.items()):
+          break
+    rollout_s = ctx.clock.now() - t0
     stats = {n: finish() for n, finish in training.items()}
     for name in stats:
-      orch.agents[name].publish()
+      ctx.publish(name)
     lines: Lines = {}
-    for name, buffer in orch.buffers.items():
+    for name, buffer in self.buffers.items():
       line = dict(batch_stats(served[name]), policy_version=versions[name],
-                  tokens=tokens[name], updated=int(name in stats), stale_dropped=dropped[name],
-                  buffered_rows=sum(g.size for g in buffer.kept))
+                  tokens=rollout.tokens[name], updated=int(name in stats),
+                  stale_dropped=dropped[name], buffered_rows=sum(g.size for g in buffer.kept))
       line.update(stats.get(name, {}))
       lines[name] = line
-    return orch.finish_step(lines, t0, rollout_s, queries)
+    return StepResult(lines, rollout_s, rollout.queries, sum(rollout.tokens.values()))
 
 
 def make_schedule(spec: TeamSpec) -> Schedule:
   if spec.schedule == 'async':
-    return Async(spec.max_staleness)
-  return {'sync': Sync, 'sync_parallel': SyncParallel, 'flexmarl': FlexPipeline}[spec.schedule]()
+    return Async(spec.agents, spec.max_staleness)
+  return {'sync': Sync, 'sync_parallel': SyncParallel,
+          'flexmarl': FlexPipeline}[spec.schedule](spec.agents)

@@ -13,6 +13,7 @@ from flax import nnx
 from flexmarl.models import sharding, transformer
 from flexmarl.rollout import balancer as bal
 from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.interfaces import Weights
 from flexmarl.rollout.pool import Instance, InstancePool, Request, least_loaded
 from flexmarl.rollout.sampler import EmbeddedSampler, SampleBatch, SamplingParams, sample_key
 from flexmarl.tokenizer import build_char_tokenizer
@@ -78,8 +79,13 @@ def test_results_are_consumed_in_stream_order_and_the_rest_abandoned():
   engine = _single_pool_engine('stream', concurrency=3)
   seen = []
   source = ((i, Query(f'q{i}', 'long' if i == 0 else 'short')) for i in range(100))
-  consumed = engine.stream(Turns(), source, lambda r: seen.append(r.index) or len(seen) == 3)
-  assert consumed == 3 and seen == [0, 1, 2]
+  results = engine.stream(Turns(), source)
+  for result in results:
+    seen.append(result.index)
+    if len(seen) == 3:
+      break
+  results.close()  # leaving the loop: the queries in flight are abandoned
+  assert seen == [0, 1, 2]
   assert all(not i.queue for i in engine.instances)
 
 
@@ -259,16 +265,14 @@ def test_a_moved_instance_serves_the_receiving_agents_current_weights():
 
   def factory(name):
     graphdef, _, shardings = models[name]
-    return lambda devs, params, version: _embedded(graphdef, params, shardings,
-                                                   devices[devs[0]], version)
+    return lambda devs, weights: _embedded(graphdef, weights.params, shardings,
+                                           devices[devs[0]], weights.version)
 
-  pools = {name: InstancePool(name, [], factory(name)) for name in 'ab'}
-  for name, version in (('a', 3), ('b', 7)):
-    pools[name].params, pools[name].version = models[name][1], version
+  pools = {name: InstancePool(name, [], factory(name), Weights(models[name][1], version))
+           for name, version in (('a', 3), ('b', 7))}
   for i, name in ((4, 'a'), (5, 'a'), (6, 'b')):
     pools[name].instances.append(
-        Instance(f'{name}/{i}', (i,), pools[name].make_sampler((i,), pools[name].params,
-                                                               pools[name].version)))
+        Instance(f'{name}/{i}', (i,), pools[name].make_sampler((i,), pools[name].weights)))
   moved = pools['a'].release()
   assert moved is not None and len(pools['a'].instances) == 1
   pools['b'].adopt(moved)

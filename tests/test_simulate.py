@@ -8,9 +8,9 @@ import ml_collections
 import pytest
 
 from flexmarl.clock import SimClock
-from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.build import build_orchestrator
 from flexmarl.sim.run import simulate
-from flexmarl.sim.team import build_sim_team, sim_team_spec, sim_workflow
+from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow
 from flexmarl.tokenizer import build_char_tokenizer
 
 # Router `a` then specialist `b`, one query at a time, one instance each; 2 queries fill
@@ -108,16 +108,15 @@ def test_async_steps_end_with_a_batch_at_the_post_update_version():
   tokenizer = build_char_tokenizer()
   spec = sim_team_spec(setup, 'async:1', False, tokenizer)
   clock = SimClock()
-  agents = build_sim_team(spec, setup, clock, tokenizer)
   with tempfile.TemporaryDirectory() as workdir:
-    orch = JointOrchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
-                             agents=agents)
+    orch = build_orchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
+                              factories=lambda _: sim_factories(spec, setup, clock, tokenizer))
     try:
       for step in range(1, setup.steps + 1):
         lines = orch.run_step()
         for name, agent in orch.agents.items():
           assert lines[name]['updated'] == int(step > 1), (step, name)
-          fresh = orch.buffers[name].fresh_rows(agent.version)
+          fresh = orch.schedule.buffers[name].fresh_rows(agent.version)
           assert fresh >= spec.agents[name].global_batch, (step, name, fresh)
     finally:
       orch.close()

@@ -148,7 +148,7 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   expected = jax.device_get(hf.load_params(folder, model, sharding.param_shardings(
       hf.abstract_params(model)[1], sharding.make_mesh(jax.devices()[:1], (1, 1)))))
   solver = team.agents['solver']
-  for tree in (solver.trainer.params, solver.trainer.ref_params, solver.pool.params):
+  for tree in (solver.trainer.params, solver.trainer.ref_params, solver.pool.weights.params):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(tree), expected)
   random_start = jax.tree.leaves(jax.device_get(team.agents['verifier'].trainer.params))
   assert not np.array_equal(random_start[0], jax.tree.leaves(expected)[0])

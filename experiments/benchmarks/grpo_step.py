@@ -44,7 +44,8 @@ def main(argv):
   import jax
 
   from flexmarl.config import build_team_spec
-  from flexmarl.orchestrator import JointOrchestrator
+  from flexmarl.build import build_orchestrator
+  from flexmarl.clock import RealClock
   from flexmarl.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
 
@@ -54,7 +55,7 @@ def main(argv):
   spec = build_team_spec(config, tokenizer.vocab_size, [d.id for d in jax.devices()],
                          workflow.agent_names())
   with tempfile.TemporaryDirectory() as workdir:
-    orch = JointOrchestrator(spec, workflow, tokenizer, workdir)
+    orch = build_orchestrator(spec, workflow, tokenizer, workdir, clock=RealClock())
     t0 = time.perf_counter()
     for _ in range(_WARMUP.value):
       orch.run_step()

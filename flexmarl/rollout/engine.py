@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -170,34 +170,41 @@ class RolloutEngine:
   def run(self, workflow: Workflow, queries: Sequence[Query], first_index: int = 0
           ) -> list[EpisodeResult]:
     """Roll out a fixed list of queries to completion; results in query order."""
-    results: list[EpisodeResult] = []
-    self.stream(workflow, iter(enumerate(queries, first_index)),
-                lambda r: results.append(r) or False)
-    return results
+    return list(self.stream(workflow, iter(enumerate(queries, first_index))))
 
-  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
-             consume: Callable[[EpisodeResult], bool]) -> int:
-    """Roll out queries from `source` ((stream index, query) pairs, consecutive); hand
-    each result to `consume` in stream order until it returns True or the source ends.
-    Queries still in flight then are abandoned. Returns how many results were consumed.
+  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]
+             ) -> Generator[EpisodeResult, None, None]:
+    """Roll out queries from `source` ((stream index, query) pairs, consecutive); yield
+    each result in stream order until the source ends. Closing the generator (or
+    leaving a loop over it) abandons the queries still in flight.
 
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
-    run = lambda: self._loop.run_until_complete(self._stream(workflow, source, consume))
+    results = self._stream(workflow, source)
     try:
       asyncio.get_running_loop()
+      worker = concurrent.futures.ThreadPoolExecutor(1)
+      run = lambda coro: worker.submit(self._loop.run_until_complete, coro).result()
     except RuntimeError:
-      return run()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      return pool.submit(run).result()
+      worker, run = None, self._loop.run_until_complete
+    try:
+      while True:
+        try:
+          yield run(results.__anext__())
+        except StopAsyncIteration:
+          return
+    finally:
+      run(results.aclose())
+      if worker is not None:
+        worker.shutdown()
 
-  async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
-                    consume: Callable[[EpisodeResult], bool]) -> int:
+  async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]
+                    ) -> AsyncIterator[EpisodeResult]:
     requests: list[Request] = []
     active: dict[int, tuple[_QueryContext, asyncio.Task]] = {}
     finished: dict[int, EpisodeResult] = {}
-    expected, consumed, exhausted = None, 0, False
+    expected, exhausted = None, False
 
     names = list(workflow.agent_names())
 
@@ -226,12 +233,10 @@ class RolloutEngine:
           for pool in self.pools.values():
             pool.forget(ctx.query.query_id)
         while expected in finished:
-          consumed += 1
           expected += 1
-          if consume(finished.pop(expected - 1)):
-            return consumed
+          yield finished.pop(expected - 1)
         if exhausted and not active:
-          return consumed
+          return
         if admit and len(active) < self.concurrency and not exhausted:
           continue  # refill the slots of queries that just finished before serving
         self._check_timeouts(active.values())

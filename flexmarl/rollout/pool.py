@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from flexmarl.interfaces import Weights
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 
 
@@ -99,29 +100,27 @@ class Instance:
 
 
 class InstancePool:
-  """An agent's rollout instances and the weights they serve.
+  """An agent's rollout instances and the weights they serve (the agent's `WeightSink`).
 
-  `make_sampler(devices, params, version)` builds a sampler of this agent's model on
-  `devices` (used when an instance joins the pool from another agent)."""
+  `make_sampler(devices, weights)` builds a sampler of this agent's model on `devices`
+  serving `weights` (used when an instance joins the pool from another agent)."""
 
   def __init__(self, agent: str, instances: list[Instance],
-               make_sampler: Callable[[tuple[int, ...], dict, int], Sampler],
-               sticky: bool = False):
+               make_sampler: Callable[[tuple[int, ...], Weights], Sampler] | None,
+               weights: Weights | None = None, sticky: bool = False):
     self.agent, self.instances, self.make_sampler = agent, instances, make_sampler
-    self.sticky = sticky
+    self.weights, self.sticky = weights, sticky
     self._conversation: dict[str, Instance] = {}
-    self.params: dict | None = None
-    self.version = 0
 
   @property
   def outstanding(self) -> int:
     return sum(i.outstanding for i in self.instances)
 
-  def publish(self, params: dict, version: int) -> None:
-    """Every instance serves `params` as `version` from its next batch on."""
-    self.params, self.version = params, version
+  def publish(self, weights: Weights) -> None:
+    """Every instance serves `weights` from its next batch on."""
+    self.weights = weights
     for inst in self.instances:
-      inst.sampler.update_weights(params, version)
+      inst.sampler.update_weights(weights.params, weights.version)
 
   def route(self, request: Request) -> Instance:
     """Queue `request` on the least-loaded instance (or its conversation's, if sticky)."""
@@ -152,5 +151,5 @@ class InstancePool:
   def adopt(self, inst: Instance) -> None:
     """Serve this agent from `inst`: load the agent's current weights onto its devices."""
     inst.sampler.close()
-    inst.sampler = self.make_sampler(inst.devices, self.params, self.version)
+    inst.sampler = self.make_sampler(inst.devices, self.weights)
     self.instances.append(inst)

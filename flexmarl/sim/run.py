@@ -40,8 +40,8 @@ from flexmarl.clock import SimClock
 from flexmarl.metrics.spans import Span, SpanRecorder
 from flexmarl.metrics.utilization import Usage, critical_path, group_usage, track_usage
 from flexmarl.metrics.writer import TEAM
-from flexmarl.orchestrator import JointOrchestrator
-from flexmarl.sim.team import build_sim_team, sim_team_spec, sim_workflow, train_tracks
+from flexmarl.build import build_orchestrator
+from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow, train_tracks
 from flexmarl.sim.tokenizer import FastCharTokenizer
 from flexmarl.sim.turns import AgentsInTurn
 
@@ -134,11 +134,10 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
     tags = StepTags(recorder)
     tokenizer = FastCharTokenizer()
     spec = sim_team_spec(setup, v.schedule, v.balance, tokenizer, v.colocated)
-    agents = build_sim_team(spec, setup, clock, tokenizer, tags)
-    orch = JointOrchestrator(spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
-                             agents=agents)
-    if v.turns:
-      orch.schedule = AgentsInTurn()
+    orch = build_orchestrator(
+        spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
+        factories=lambda _: sim_factories(spec, setup, clock, tokenizer, tags),
+        schedule=AgentsInTurn(spec.agents) if v.turns else None)
     team, windows = [], []
     try:
       stride = setup.get('step_query_stride', 0)

@@ -52,7 +52,7 @@ from flexmarl import placement as placement_lib
 from flexmarl.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
 from flexmarl.errors import ConfigError
-from flexmarl.rollout.pool import Instance, InstancePool
+from flexmarl.build import Factories
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
@@ -61,7 +61,6 @@ from flexmarl.sim.instances import SimSampler
 from flexmarl.sim.pool import SimTrainingPool
 from flexmarl.sim.trainer import SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
-from flexmarl.team import Agent
 from flexmarl.tokenizer import TextTokenizer
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
@@ -237,6 +236,8 @@ def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool
 class NoCheckpoints:
   """The simulator keeps no checkpoints (it measures time; no state is real)."""
 
+  directory = ''
+
   def steps(self) -> list[int]:
     return []
 
@@ -251,10 +252,11 @@ def train_tracks(placement: placement_lib.Placement) -> list[str]:
   return [f'train/{name}' for name in placement.train]
 
 
-def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimClock,
-                   tokenizer: TextTokenizer, recorder=None) -> dict[str, Agent]:
-  """`team.Agent`s of simulated trainers and instances, placed as `spec.placement` says
-  (colocated when its mode is 'shared'; a training pool when it has one).
+def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimClock,
+                  tokenizer: TextTokenizer, recorder=None) -> Factories:
+  """The simulated parts of a team, for `flexmarl.build.build_team`: trainers and
+  instances that take simulated time, placed as `spec.placement` says (colocated when
+  its mode is 'shared'; a training pool when it has one); no checkpoints.
 
   recorder: anything with SpanRecorder's `add`; tracks are `train_tracks` and
   'rollout/FIRST_DEVICE' (an instance keeps its track when it moves to another agent).
@@ -267,14 +269,16 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
   train_compiled = CompileCache(compile_s.get('train', 0.0))
   rollout_compiled = CompileCache(compile_s.get('rollout', 0.0))
   host = host_link(setup)
-  tracks = train_tracks(placement)
-  groups = {t: DeviceGroup(clock, t, cores, recorder) for t in tracks}
-  trainers, pools = {}, {}
-  for name, a in spec.agents.items():
+  groups = {t: DeviceGroup(clock, t, cores, recorder) for t in train_tracks(placement)}
+  served: set[tuple[int, ...]] = set()  # devices that have held an instance
+
+  def agent_rates(name: str) -> tuple[AgentCosts, float, float, float, int]:
+    """The agent's costs, its trainer's load and offload seconds (colocated), its
+    instances' weight-sync seconds, and its training devices."""
     s = setup.agents[name]
     devices = placement.train[name].shape[-1]
     if setup.get('train_devices_per_row'):  # data parallel over a micro-batch's rows
-      devices = min(devices, a.micro_batch * setup.train_devices_per_row)
+      devices = min(devices, spec.agents[name].micro_batch * setup.train_devices_per_row)
     c = agent_costs(s, setup.cluster.accelerator, devices, setup.get('train_mfu', costs.TRAIN_MFU),
                     setup.get('train_recompute', 1.0), setup.get('decode_step_overhead_s', 0.0))
     load_s = offload_s = 0.0
@@ -284,38 +288,39 @@ def build_sim_team(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimC
     elif colocated:
       load_s, offload_s, sync_s = colocated_costs(specs.model(s.model), devices, s.rollout_tp,
                                                   host)
+    return c, load_s, offload_s, sync_s, devices
 
-    def new(devices, version, name=name, s=s, c=c, sync_s=sync_s) -> SimSampler:
-      return SimSampler(clock, c.decode, s.response_tokens.to_dict(), sync_s, agent=name,
-                        vocab=tokenizer.vocab_size, version=version, recorder=recorder,
-                        track=f'rollout/{devices[0]}' if recorder is not None else '',
-                        padded_rows=EMBEDDED_MIN_BATCH if padded else 0, cores=cores,
-                        compile=(rollout_compiled, (s.get('model'), s.rollout_tp)))
+  def trainer(name, a, index, mesh) -> SimTrainer:
+    s = setup.agents[name]
+    c, load_s, offload_s, _, devices = agent_rates(name)
+    group = groups[f'train/{name}'] if mesh is not None else None
+    return SimTrainer(name, clock, c.train_token_s, c.optimizer_s, group=group,
+                      micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
+                      offload_s=offload_s, compile=(train_compiled, (s.get('model'), devices)))
 
-    def make(devices, params, version, new=new) -> SimSampler:
-      sampler = new(devices, version)
-      sampler.update_weights(params, version)  # an adopted instance loads the agent's weights
+  def sampler(name, a, trainer):
+    s = setup.agents[name]
+    c, _, _, sync_s, _ = agent_rates(name)
+
+    def make(devices, weights) -> SimSampler:
+      sampler = SimSampler(clock, c.decode, s.response_tokens.to_dict(), sync_s, agent=name,
+                           vocab=tokenizer.vocab_size, version=weights.version,
+                           recorder=recorder,
+                           track=f'rollout/{devices[0]}' if recorder is not None else '',
+                           padded_rows=EMBEDDED_MIN_BATCH if padded else 0, cores=cores,
+                           compile=(rollout_compiled, (s.get('model'), s.rollout_tp)))
+      if devices in served:  # moved here from another agent: it loads this one's weights
+        sampler.update_weights(weights.params, weights.version)
+      served.add(devices)
       return sampler
+    return make
 
-    group = groups[f'train/{name}'] if not placement.pool else None
-    trainers[name] = SimTrainer(name, clock, c.train_token_s, c.optimizer_s, group=group,
-                                micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
-                                offload_s=offload_s,
-                                compile=(train_compiled, (s.get('model'), devices)))
-    instances = [Instance(f'{name}/{j}', m.devices, new(m.devices, 0))
-                 for j, m in enumerate(placement.rollout[name])]
-    pools[name] = InstancePool(name, instances, make, sticky=spec.rollout.sticky_conversations)
-    pools[name].params = trainers[name].params
-  engine = None
-  if placement.pool:
+  def training_pool(trainers, meshes) -> SimTrainingPool:
     state = {n: setup.agents[n].get('state_bytes')
              or costs.train_state_bytes(specs.model(setup.agents[n].model)) for n in trainers}
     links = setup.get('links', {})
-    engine = SimTrainingPool(clock, trainers, list(groups.values()), state,
-                             placement.pool[0].shape[-1] * host,
-                             links.get('storage_bytes_per_s', 0.0),
-                             int(setup.get('host_budget_bytes', 0)))
-  return {name: Agent(a, trainers[name], pools[name], NoCheckpoints(),
-                      prompt_len=spec.max_prompt_len, pad_id=tokenizer.pad_id, clock=clock,
-                      engine=engine)
-          for name, a in spec.agents.items()}
+    return SimTrainingPool(clock, trainers, list(groups.values()), state,
+                           meshes[0].shape[-1] * host, links.get('storage_bytes_per_s', 0.0),
+                           int(setup.get('host_budget_bytes', 0)))
+
+  return Factories(trainer, sampler, lambda name: NoCheckpoints(), training_pool)

@@ -54,20 +54,17 @@ class SimTrainer:
     self.token_s, self.optimizer_s, self.micro_batch_s = token_s, optimizer_s, micro_batch_s
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
     self.params = {'version': np.zeros((), np.int32)}  # placeholder: no weights are simulated
-    self._version = 0
+    self._update = 0  # the agent's updates before the one being accumulated
     self._tokens = 0  # tokens accumulated since the last optimizer step
     self._micro_batches = 0
 
-  @property
-  def version(self) -> int:
-    return self._version
-
   def _run(self, name: str, seconds: float, **args) -> float:
-    return self.group.run(name, seconds, agent=self.name, version=self._version, **args)
+    return self.group.run(name, seconds, agent=self.name, version=self._update, **args)
 
-  def accumulate(self, batch: TrainBatch) -> None:
+  def accumulate(self, batch: TrainBatch, update: int = 0) -> None:
     """Queue one micro-batch's forward/backward over its real tokens (its padded token
     slots with `padded`); the first of an update loads a colocated train state."""
+    self._update = update
     if self._micro_batches == 0 and self.load_s:
       self._run(spans.SWAP_IN, self.load_s)
     if self.compile is not None:
@@ -81,8 +78,7 @@ class SimTrainer:
     self._micro_batches += 1
 
   def dispatch_apply(self) -> Callable[[], dict[str, float]]:
-    """Queue the optimizer step (and a colocated state's offload); `version` is the new
-    one at once. The returned function advances the clock to the step's end and gives
+    """Queue the optimizer step (and a colocated state's offload). The returned function advances the clock to the step's end and gives
     its stats."""
     if self._tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
@@ -90,7 +86,6 @@ class SimTrainer:
     if self.offload_s:
       end = self._run(spans.SWAP_OUT, self.offload_s)
     stats = dict(trained_tokens=self._tokens, micro_batches=self._micro_batches)
-    self._version += 1
     self._tokens = self._micro_batches = 0
 
     def result() -> dict[str, float]:

@@ -10,32 +10,27 @@ narrowed to the agent in turn, run once per agent.
 
 from __future__ import annotations
 
-from flexmarl.metrics.writer import TEAM
-from flexmarl.schedules import Lines, Sync
-
-SUMMED = ('rollout_s', 'queries', 'tokens', 'updated', 'rebalances')
+from flexmarl.schedules import Lines, StepContext, StepResult, Sync
 
 
 class AgentsInTurn(Sync):
 
-  turn = ''
+  turn = ''  # the agent whose turn it is
 
-  def train(self, orch, full, stepped):
-    return {self.turn: orch.train_agent(self.turn)} if self.turn in full else {}
+  def train(self, ctx, full, updates):
+    if self.turn not in full:
+      return {}
+    return super().train(ctx, [self.turn], updates)
 
-  def run_step(self, orch) -> Lines:
-    t0 = orch.clock.now()
-    turns: dict[str, Lines] = {}
-    for name in orch.agents:
+  def run_step(self, ctx: StepContext) -> StepResult:
+    lines: Lines = {}
+    rollout_s, queries, tokens = 0.0, 0, 0
+    for name in self.agents:
       self.turn = name
-      for n in orch.buffers:
-        orch.buffers[n] = self.new_buffer(orch.spec.agents[n])
-      turns[name] = super().run_step(orch)
-    lines: Lines = {name: turns[name][name] for name in orch.agents}
-    team = dict(turns[name][TEAM])
-    team.update({k: sum(t[TEAM][k] for t in turns.values()) for k in SUMMED})
-    team['step_time_s'] = orch.clock.now() - t0
-    team['train_s'] = team['step_time_s'] - team['rollout_s']
-    team['tokens_per_s'] = team['tokens'] / team['step_time_s']
-    lines[TEAM] = team
-    return lines
+      self.buffers = {n: self.new_buffer(a) for n, a in self.agents.items()}
+      turn = super().run_step(ctx)
+      lines[name] = turn.lines[name]
+      rollout_s += turn.rollout_s
+      queries += turn.queries
+      tokens += turn.tokens
+    return StepResult(lines, rollout_s, queries, tokens)

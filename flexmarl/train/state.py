@@ -1,6 +1,6 @@
 """An agent's training state as a value that knows where it lives, and one call to move it.
 
-`AgentState` holds params, optimizer state, version, RNG (and, when present, the frozen
+`AgentState` holds params, optimizer state, RNG (and, when present, the frozen
 KL reference and a half-accumulated gradient). Its `placement` says where the arrays
 are: `OnMesh` (device memory, sharded), `OnHost` (pinned host memory where the
 platform has that memory kind, else numpy) or `InStorage` (an Orbax checkpoint; the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -53,7 +52,6 @@ Placement = OnMesh | OnHost | InStorage
 class AgentState:
   params: Any
   opt_state: Any
-  version: int
   rng: Any  # raw key data (uint32), so it moves like any array
   placement: Placement
   ref_params: Any = None
@@ -111,12 +109,10 @@ def _abstract(arrays: dict) -> dict:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
 
 
-def _save(path: str, arrays: dict, version: int) -> None:
+def _save(path: str, arrays: dict) -> None:
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(path, 'arrays'), arrays, force=True)
   checkpointer.wait_until_finished()
-  with open(os.path.join(path, 'meta.json'), 'w') as f:
-    json.dump({'version': version}, f)
 
 
 def _restore(path: str, like: dict, to: Placement, shardings: dict | None) -> dict:
@@ -157,7 +153,7 @@ def put(state: AgentState, to: Placement, *, wait: bool = True
   arrays = state.arrays()
   if isinstance(to, InStorage):
     os.makedirs(to.path, exist_ok=True)
-    _save(to.path, arrays, state.version)
+    _save(to.path, arrays)
     arrays = _abstract(arrays)
   elif isinstance(to, OnMesh):
     arrays = jax.device_put(arrays, _shardings(state, to))
@@ -178,9 +174,7 @@ def _done(state: AgentState, to: Placement, arrays: dict, start: float, wait: bo
 def load(path: str, like: AgentState, to: Placement) -> tuple[AgentState, Transfer]:
   """A state saved at `path` by a move to InStorage (this process or an earlier one),
   moved to `to`; `like` gives the structure (any state of the same agent config)."""
-  with open(os.path.join(path, 'meta.json')) as f:
-    version = json.load(f)['version']
-  stored = dataclasses.replace(like, placement=InStorage(path), version=version,
+  stored = dataclasses.replace(like, placement=InStorage(path),
                                **_abstract(like.arrays()))
   return move(stored, to)
 

@@ -174,7 +174,7 @@ class AgentTrainer:
     self._steps = (StepCache() if steps is None else steps).get(
         (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
     self.state = AgentState(
-        params=params, opt_state=jax.device_get(self.tx.init(params)), version=0,
+        params=params, opt_state=jax.device_get(self.tx.init(params)),
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), placement=OnHost(),
         # A frozen copy for the KL term: the live params are replaced at every step.
         ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
@@ -198,10 +198,6 @@ class AgentTrainer:
   @property
   def ref_params(self):
     return self.state.ref_params
-
-  @property
-  def version(self) -> int:
-    return self.state.version
 
   @property
   def shardings(self):
@@ -255,9 +251,10 @@ class AgentTrainer:
 
   # -- training -------------------------------------------------------------------------
 
-  def accumulate(self, batch: TrainBatch) -> dict:
+  def accumulate(self, batch: TrainBatch, update: int = 0) -> dict:
     """Add one micro-batch's gradient (of the token-summed loss) to the accumulator;
-    returns its summed stats (device arrays, ready once the micro-batch is computed)."""
+    returns its summed stats (device arrays, ready once the micro-batch is computed).
+    `update`: the agent's updates so far (the entropy bonus anneals over them)."""
     self._bound()
     with jax.set_mesh(self.mesh):
       grads = self.state.grads
@@ -265,7 +262,7 @@ class AgentTrainer:
         grads = self._steps.zeros(self.params)
       grads, stats = self._steps.accumulate(
           self.params, self.ref_params, dataclasses.asdict(batch), grads,
-          np.float32(grpo.entropy_coef_at(self.grpo_cfg, self.version)))
+          np.float32(grpo.entropy_coef_at(self.grpo_cfg, update)))
     self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)
     self._tokens += batch.tokens
@@ -279,7 +276,7 @@ class AgentTrainer:
   def dispatch_apply(self) -> Callable[[], dict[str, float]]:
     """Start one optimizer step over everything accumulated, without waiting for it.
 
-    `params` and `version` are the new ones at once (as arrays still being computed);
+    `params` are the new ones at once (as arrays still being computed);
     the returned function waits for the step and gives its per-token stats. In between
     the caller may run other work, e.g. a rollout on other devices."""
     tokens = self._tokens
@@ -291,7 +288,7 @@ class AgentTrainer:
       params, opt_state, grad_norm = self._steps.apply(
           self.params, self.opt_state, self.state.grads, np.float32(divisor))
     self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
-                                     grads=None, version=self.version + 1)
+                                     grads=None)
     pending = self._stats
     self._stats, self._tokens, self._rows = [], 0, 0
 
@@ -310,9 +307,9 @@ class AgentTrainer:
       state, _ = state_lib.move(state, OnHost())
     return {'params': state.params, 'opt_state': state.opt_state}
 
-  def load_train_state(self, state: dict, version: int) -> None:
+  def load_train_state(self, state: dict) -> None:
     """Take a restored state, kept where this agent's state lives now."""
     fresh = dataclasses.replace(self.state, params=state['params'],
-                                opt_state=state['opt_state'], grads=None, version=version)
+                                opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.placement)
     self._stats, self._tokens = [], 0

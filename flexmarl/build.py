@@ -1,0 +1,200 @@
+"""Wiring: a checked TeamSpec and its Placement → agents → rollout engine → schedule →
+the JointOrchestrator that runs them.
+
+`build_team` makes the agents from `Factories`: how a trainer, a sampler, a checkpointer
+and a training pool are made. The real run passes `local_factories` (trainers on JAX
+meshes of this process, embedded or vLLM samplers, Orbax checkpoints); the simulator
+passes simulated ones; a remote backend passes factories whose parts live in other
+processes. Everything past the factories is the same code for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+from flax import nnx
+
+from flexmarl import placement as placement_lib
+from flexmarl.clock import Clock
+from flexmarl.config import AgentSpec, TeamSpec
+from flexmarl.data.journal import Journal
+from flexmarl.interfaces import Checkpointer, Trainer, Weights
+from flexmarl.metrics import spans
+from flexmarl.models import hf, sharding
+from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.rollout.balancer import Balancer, Limits
+from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.pool import Instance, InstancePool
+from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
+from flexmarl.schedules import Schedule, make_schedule
+from flexmarl.store.experience_store import ExperienceStore
+from flexmarl.team import Agent, Timeline
+from flexmarl.tokenizer import TextTokenizer, per_agent
+from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.step import StepCache
+from flexmarl.train.trainer import AgentTrainer
+
+# (devices, weights) -> a sampler of one agent's model on those devices serving them.
+MakeSampler = Callable[[tuple[int, ...], Weights], Sampler]
+
+
+@dataclasses.dataclass(frozen=True)
+class Factories:
+  """How the parts of a team are made.
+
+  trainer(name, spec, index, mesh): the agent's trainer on `mesh` (its training
+    devices), or, for a training pool (mesh None), with its state in host memory.
+  sampler(name, spec, trainer): the agent's `MakeSampler`.
+  checkpointer(name): where the agent's checkpoints go.
+  training_pool(trainers, meshes): the engine that binds trainers to the pool's meshes.
+  timeline(name): the span track of the agent's training devices (None: none).
+  """
+
+  trainer: Callable[[str, AgentSpec, int, placement_lib.MeshPlacement | None], Trainer]
+  sampler: Callable[[str, AgentSpec, Trainer], MakeSampler]
+  checkpointer: Callable[[str], Checkpointer]
+  training_pool: Callable[[Mapping[str, Trainer], Sequence[placement_lib.MeshPlacement]],
+                          TrainingEngine]
+  timeline: Callable[[str], Timeline | None] = lambda name: None
+
+
+def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Factories,
+               pad_ids: Mapping[str, int], clock: Clock,
+               recorder: spans.SpanRecorder | None = None) -> dict[str, Agent]:
+  """Every agent of `spec` on what `placement` gives it: a trainer (on its mesh, or
+  taking turns on the training pool), its rollout instances serving version 0, a
+  checkpointer. `pad_ids`: each agent's tokenizer's pad id."""
+  trainers = {name: factories.trainer(name, a, i, None if placement.pool
+                                      else placement.train[name])
+              for i, (name, a) in enumerate(spec.agents.items())}
+  engine = factories.training_pool(trainers, placement.pool) if placement.pool else None
+  agents = {}
+  for name, a in spec.agents.items():
+    make = factories.sampler(name, a, trainers[name])
+    weights = Weights(trainers[name].params, 0)
+    instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, weights))
+                 for j, m in enumerate(placement.rollout[name])]
+    pool = InstancePool(name, instances, make, weights,
+                        sticky=spec.rollout.sticky_conversations)
+    agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
+                         prompt_len=spec.max_prompt_len, pad_id=pad_ids[name], clock=clock,
+                         recorder=recorder, timeline=factories.timeline(name), engine=engine)
+  return agents
+
+
+def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
+                    devices: Sequence[jax.Device], recorder: spans.SpanRecorder) -> Factories:
+  """The parts of a run in this process: trainers on JAX meshes of `devices` (sharing one
+  `StepCache`), embedded or vLLM samplers, Orbax checkpoints under `workdir`."""
+  by_id = {d.id: d for d in devices}
+  steps, compiled = StepCache(), {}
+
+  def trainer(name: str, a: AgentSpec, index: int,
+              mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
+    init = None
+    if mesh is None:  # a pool trainer's state starts in host memory
+      where = a.layout
+      if a.checkpoint:
+        host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+        init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
+            lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
+    else:
+      where = sharding.make_mesh([by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
+      if a.checkpoint:  # read tensor by tensor straight onto the mesh
+        init = hf.load_params(a.checkpoint, a.model,
+                              sharding.param_shardings(hf.abstract_params(a.model)[1], where))
+    return AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
+                        seed=spec.seed * 1000 + index, steps=steps, init_params=init,
+                        banned_ids=tokenizers[name].banned_ids)
+
+  def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:
+    """A vLLM engine (rollout.backend=vllm, started from an export of the weights), or
+    the embedded sampler in the trainer's layout. Instances of agents with the same
+    model share one compiled sampling loop, so an instance that moves between such
+    agents does not compile again."""
+    tokenizer = tokenizers[name]
+    if spec.rollout.backend == 'vllm':
+      from flexmarl.rollout import vllm_sampler  # the optional extra
+      engine = vllm_sampler.engine_config(**spec.rollout.vllm)
+
+      def make_vllm(devices: tuple[int, ...], weights: Weights) -> Sampler:
+        return vllm_sampler.VLLMSampler(
+            a.model, weights.params,
+            workdir=os.path.join(workdir, 'vllm', name, '-'.join(map(str, devices))),
+            eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+            banned_ids=tokenizer.banned_ids, engine=engine, version=weights.version)
+      return make_vllm
+    generate_fn = compiled.setdefault(a.model, compile_generate(trainer.graphdef))
+    train_devices = () if spec.placement.pool else spec.placement.train[name].devices
+
+    def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
+      # On the trainer's own devices the published arrays are served as they are.
+      mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
+      layout = None if tuple(devices) == tuple(train_devices) else trainer.shardings_on(mesh)
+      return EmbeddedSampler(trainer.graphdef, weights.params,
+                             max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+                             pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
+                             batch_multiple=trainer.batch_multiple, version=weights.version,
+                             shardings=layout, generate_fn=generate_fn)
+    return make
+
+  def training_pool(trainers: Mapping[str, AgentTrainer],
+                    meshes: Sequence[placement_lib.MeshPlacement]) -> TrainingEngine:
+    return TrainingEngine(
+        trainers, [(f'pool{i}', [by_id[d] for d in m.devices], m.shape)
+                   for i, m in enumerate(meshes)],
+        spec.training.host_budget_bytes,
+        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder)
+
+  return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
+                   training_pool, lambda name: Timeline(recorder, f'train:{name}'))
+
+
+def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
+                   tokenizers: Mapping[str, TextTokenizer], clock: Clock,
+                   recorder: spans.SpanRecorder | None) -> RolloutEngine:
+  """The team's rollout engine over the agents' instance pools, with the balancer when
+  it is on (embedded instances only: moving a vLLM instance would restart it)."""
+  r = spec.rollout
+  balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
+                        for n, a in spec.agents.items()},
+                       r.balance_threshold, r.balance_cooldown_s)
+              if r.balance and r.backend == 'embedded' else None)
+  return RolloutEngine(
+      {n: a.pool for n, a in agents.items()},
+      {n: a.sampling for n, a in spec.agents.items()},
+      {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
+      clock=clock, concurrency=r.query_concurrency, admission=r.admission,
+      max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
+      recorder=recorder)
+
+
+def build_orchestrator(spec: TeamSpec, workflow, tokenizer: TextTokenizer | Mapping[str, TextTokenizer],
+                       workdir: str, *, clock: Clock,
+                       factories: Callable[[spans.SpanRecorder], Factories] | None = None,
+                       devices: Sequence[jax.Device] | None = None,
+                       schedule: Schedule | None = None) -> JointOrchestrator:
+  """The run over `workdir`: the placement checked against the workdir's and saved, the
+  team made by `factories` (given the run's span recorder; default: `local_factories`
+  on `devices`), its rollout engine, the experience store and the schedule."""
+  tokenizers = per_agent(tokenizer, spec.agents)
+  # Every generate call, micro-batch, optimizer step, weight sync and store write, as
+  # a span: `WORKDIR/trace.json` (Perfetto) and utilization in the metrics.
+  recorder = spans.SpanRecorder(clock)
+  placement_lib.check_resume(spec.placement, workdir)
+  placement_lib.save(spec.placement, workdir)
+  if factories is None:
+    made = local_factories(spec, tokenizers, workdir, devices or jax.devices(), recorder)
+  else:
+    made = factories(recorder)
+  agents = build_team(spec, spec.placement, made, {n: t.pad_id for n, t in tokenizers.items()},
+                      clock, recorder)
+  journal = Journal(ExperienceStore.open(os.path.join(workdir, 'store'), agents=list(spec.agents)),
+                    list(spec.agents), recorder)
+  return JointOrchestrator(spec, workflow, agents, rollout_engine(spec, agents, tokenizers,
+                                                                  clock, recorder),
+                           journal, schedule or make_schedule(spec), workdir, clock, recorder)
