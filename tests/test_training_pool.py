@@ -2,7 +2,8 @@
 skips a step shifts who lands where, so each runs on both); states go through host
 memory and storage (a host budget of one state), checkpoints are taken while some are
 swapped out, and the parameters equal those of a run where every agent keeps a mesh of
-its own. Bad pool configs fail before anything compiles."""
+its own — also under the `flexmarl` pipeline, and across a resume. Bad pool configs fail
+before anything compiles."""
 
 import os
 
@@ -52,10 +53,21 @@ def runs(tmp_path_factory):
   own = _config()
   shared = _config(pool_devices=4)
   shared.training.host_budget_gb = _state_gb(shared) * 1.5  # one state on host at a time
-  for key, config in (('own', own), ('pool', shared)):
+  pipelined = shared.copy_and_resolve_references()
+  pipelined.schedule = 'flexmarl'
+  for key, config in (('own', own), ('pool', shared), ('pool_flexmarl', pipelined)):
     workdir = str(tmp_path_factory.mktemp(key))
     train(config, workdir, log=lambda *_: None)
     out[key] = workdir
+  # The pool run again, stopped after its first step and resumed to the end.
+  resumed = shared.copy_and_resolve_references()
+  out['pool_resumed'] = workdir = str(tmp_path_factory.mktemp('pool_resumed'))
+  resumed.steps = 1
+  train(resumed, workdir, log=lambda *_: None)
+  resumed.steps = STEPS
+  logs = []
+  train(resumed, workdir, log=logs.append)
+  assert any('resumed from step 1' in str(l) for l in logs)
   return out
 
 
@@ -68,13 +80,16 @@ def _lines(workdir):
   return [l for l in read_metrics(os.path.join(workdir, 'metrics.jsonl')) if l['agent'] != 'team']
 
 
-def test_pool_run_equals_agents_on_their_own_meshes(runs):
+@pytest.mark.parametrize('run, tolerance', [('pool', 1e-6), ('pool_flexmarl', 1e-5),
+                                             ('pool_resumed', 1e-6)])
+def test_pool_run_equals_agents_on_their_own_meshes(runs, run, tolerance):
   for agent in AGENTS:
     for step in (STEPS - 1, STEPS):
-      for x, y in zip(_params(runs['own'], agent, step), _params(runs['pool'], agent, step),
+      for x, y in zip(_params(runs['own'], agent, step), _params(runs[run], agent, step),
                       strict=True):
-        assert np.abs(x - y).max() <= 1e-6, (agent, step, np.abs(x - y).max())
-  for a, b in zip(_lines(runs['own']), _lines(runs['pool']), strict=True):
+        assert np.abs(x - y).max() <= tolerance, (agent, step, np.abs(x - y).max())
+  for a, b in zip(_lines(runs['own']), _lines(runs[run]), strict=True):
+    assert (a['step'], a['agent']) == (b['step'], b['agent'])
     for key in ('reward_mean', 'loss', 'grad_norm', 'tokens', 'policy_version'):
       if key in a:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
