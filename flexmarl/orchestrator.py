@@ -29,13 +29,14 @@ from flexmarl.clock import Clock, RealClock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
+from flexmarl.data.records import EpisodeResult
 from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.balancer import Balancer, Limits
-from flexmarl.rollout.engine import EpisodeResult, RolloutEngine
+from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.schedules import make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, build_team
@@ -72,7 +73,7 @@ class JointOrchestrator:
         {n: a.pool for n, a in self.agents.items()},
         {n: a.sampling for n, a in spec.agents.items()},
         {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
-        clock=self.clock, concurrency=r.query_concurrency, admission=r.admission,
+        clock=self.clock, concurrency=r.query_concurrency,
         max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
         recorder=self.recorder)
     self.journal = Journal(ExperienceStore.open(os.path.join(workdir, 'store'),
@@ -105,7 +106,7 @@ class JointOrchestrator:
       self.next_query = meta['next_query']
       for g in self._carried_groups(name, step, meta['buffer'], log):
         self.buffers[name].add(g)
-      carried = [s for g in self.buffers[name].kept for s in g.turn.sample_ids]
+      carried = [s for g in self.buffers[name].kept for s in g.served.sample_ids]
       if carried and self.journal.store.count(name, sample_ids=carried, consumed=True):
         raise RuntimeError(
             f'agent {name!r}: checkpoint {step} carries rows that the store marks consumed '
@@ -176,7 +177,7 @@ class JointOrchestrator:
         if groups:
           self.journal.record(name, groups)
           take(name, groups)
-          tokens[name] += sum(len(t) for g in groups for t in g.turn.tokens)
+          tokens[name] += sum(len(t) for g in groups for t in g.served.tokens)
       return done() or count >= self.spec.rollout.max_step_queries
 
     source = ((i, self.query(i)) for i in itertools.count(self.next_query))

@@ -81,7 +81,7 @@ class CheckpointWatch:
       journal._writer = _DeferredExecutor()
 
     def on_trained(journal, name, groups):
-      watch.trained[name] |= {s for g in groups for s in g.turn.sample_ids}
+      watch.trained[name] |= {s for g in groups for s in g.served.sample_ids}
       trained(journal, name, groups)
 
     def on_save(checkpointer, step, train_state, meta):
