@@ -122,7 +122,7 @@ def straight(request, tmp_path_factory):
   config.checkpoint_every = 3
   config.schedule = schedule
   if schedule == 'flexmarl':
-    # Several waves a step, so that rows carried over a checkpoint were already
+    # Few queries in flight, so that rows carried over a checkpoint were already
     # accumulated once before it (the resumed run must accumulate them again).
     config.rollout.query_concurrency, config.rollout.max_step_queries = 2, 4
   workdir = str(tmp_path_factory.mktemp(schedule.replace(':', '')))

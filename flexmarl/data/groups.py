@@ -1,6 +1,6 @@
 """Groups and the batches cut from them.
 
-A `Group` is one served group with its rewards: the unit GRPO normalizes over. Each
+A `Group` is a `ServedGroup` with its rewards: the unit GRPO normalizes over. Each
 agent's groups arrive in stream order (query, then call) and are cut into global
 batches and micro-batches by a `BatchBuilder` (on-policy schedules) or wait across
 steps in a `StaleBuffer` (`async:k`). The cut depends only on that order, never on
@@ -21,7 +21,7 @@ from flexmarl.train import grpo
 
 @dataclasses.dataclass
 class Group:
-  """One served group with its rewards: the unit GRPO normalizes over."""
+  """A served group with its rewards: the unit GRPO normalizes over."""
 
   served: ServedGroup
   rewards: np.ndarray
