@@ -168,7 +168,7 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
       {n: a.pool for n, a in agents.items()},
       {n: a.sampling for n, a in spec.agents.items()},
       {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
-      clock=clock, concurrency=r.query_concurrency, admission=r.admission,
+      clock=clock, concurrency=r.query_concurrency,
       max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
       recorder=recorder)
 

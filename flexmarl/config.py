@@ -18,10 +18,10 @@ import ml_collections
 
 from flexmarl import placement as placement_lib
 from flexmarl.defaults import agent_config, part_of_run, rollout_config, training_config
+from flexmarl.data.records import parse_sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.models import hf, sharding
 from flexmarl.models.transformer import PRESETS, ModelConfig
-from flexmarl.rollout.engine import ADMISSIONS
 from flexmarl.rollout.sampler import SamplingParams
 from flexmarl.train import pool as pool_lib
 from flexmarl.train.grpo import LOSS_NORMS, GRPOConfig
@@ -35,6 +35,7 @@ BACKENDS = ('embedded', 'vllm')
 # config.placement: 'fit' fits the team to the devices there are when they are too few
 # for the layout asked for (see placement.fit); 'strict' refuses instead.
 PLACEMENT_POLICIES = ('fit', 'strict')
+ADMISSIONS = ('stream',)  # the rollout engine streams queries (the lockstep 'waves' is gone)
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
            'agent_config', 'rollout_config', 'training_config', 'part_of_run',
@@ -79,7 +80,7 @@ class RolloutSpec:
 
   backend: str
   devices: str  # 'shared' | 'separate'
-  admission: str  # 'stream' | 'waves'
+  admission: str  # 'stream'
   query_concurrency: int
   max_step_queries: int
   max_batch: int
@@ -390,7 +391,7 @@ def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tok
   can be longer in the run: leave room for `max_new_tokens` there."""
   longest = (0, '', '')
   for agent, prompt, ids in requests:
-    query = ids[0].rsplit('_', 2)[0] if ids else '?'
+    query = parse_sample_id(ids[0]).query_id if ids else '?'
     try:
       tokenizer = tokenizers[agent] if isinstance(tokenizers, Mapping) else tokenizers
       n = len(tokenizer.encode(prompt))

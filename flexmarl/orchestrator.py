@@ -61,7 +61,7 @@ class Rollout:
       arrival = {n: g for n, g in groups_of(result, self._normalize).items() if g}
       for name, groups in arrival.items():
         self._journal.record(name, groups)
-        self.tokens[name] += sum(len(t) for g in groups for t in g.turn.tokens)
+        self.tokens[name] += sum(len(t) for g in groups for t in g.served.tokens)
       yield arrival
       if self.queries >= self._limit:
         return
@@ -137,7 +137,7 @@ class JointOrchestrator:
       self.next_query = meta['next_query']
       groups = self._carried_groups(name, step, meta['buffer'], log)
       self.schedule.carry(name, groups)
-      carried = [s for g in groups for s in g.turn.sample_ids]
+      carried = [s for g in groups for s in g.served.sample_ids]
       if carried and self.journal.store.count(name, sample_ids=carried, consumed=True):
         raise RuntimeError(
             f'agent {name!r}: checkpoint {step} carries rows that the store marks consumed '

@@ -136,9 +136,9 @@ class Agent:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
     awaited: it runs on the training devices while the caller goes on)."""
     batch = TrainBatch.from_rows(
-        [g.turn.prompt_ids for g in micro for _ in range(g.size)],
-        [t for g in micro for t in g.turn.tokens],
-        [lp for g in micro for lp in g.turn.logprobs],
+        [g.served.prompt_ids for g in micro for _ in range(g.size)],
+        [t for g in micro for t in g.served.tokens],
+        [lp for g in micro for lp in g.served.logprobs],
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple)
@@ -160,7 +160,7 @@ class Agent:
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens."""
     t0 = self.clock.now()
-    lags = np.array([self.version - g.turn.version for g in batch for _ in range(g.size)])
+    lags = np.array([self.version - g.served.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
     version = self.version

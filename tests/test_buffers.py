@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 
 from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer
-from flexmarl.rollout.engine import Turn
+from flexmarl.data.records import ServedGroup
 
 
 def _group(query: int, size: int, version: int = 0) -> Group:
   ids = [f'q{query}_0_{j}' for j in range(size)]
-  turn = Turn(f'q{query}', 0, 'solver', version, [1, 2], ids,
-              [np.array([3], np.int32)] * size, [np.array([-0.5], np.float32)] * size)
+  served = ServedGroup(f'q{query}', 0, 'solver', version, [1, 2], ids,
+                       [np.array([3], np.int32)] * size, [np.array([-0.5], np.float32)] * size)
   zeros = np.zeros(size, np.float32)
-  return Group(turn, zeros, zeros, zeros)
+  return Group(served, zeros, zeros, zeros)
 
 
 def test_batch_builder_cuts_whole_groups_and_counts_surplus():
@@ -30,8 +30,8 @@ def test_stale_buffer_drops_rows_past_the_bound_and_keeps_the_rest():
   assert b.fresh_rows(2) == 6  # version 0 is two behind version 2
   assert b.drop_stale(2) == 2
   batch = b.take()  # the oldest fresh groups, up to 4 rows
-  assert [[g.turn.query_id for g in m] for m in batch] == [['q1'], ['q2']]
-  assert [g.turn.query_id for g in b.kept] == ['q3']
+  assert [[g.served.query_id for g in m] for m in batch] == [['q1'], ['q2']]
+  assert [g.served.query_id for g in b.kept] == ['q3']
 
 
 @pytest.mark.parametrize('buffer', [BatchBuilder(8, 1), StaleBuffer(8, 1, 1)])

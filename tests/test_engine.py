@@ -1,4 +1,4 @@
-"""RolloutEngine: batching of concurrent workflows, turn records, workflow checks."""
+"""RolloutEngine: batching of concurrent workflows, served groups, workflow checks."""
 
 import asyncio
 import concurrent.futures
@@ -68,29 +68,29 @@ class Fanout:
     return ep
 
 
-def _engine(admission='waves'):
+def _engine():
   samplers = {'a': EchoSampler(), 'b': EchoSampler()}
   sp = SamplingParams(max_new_tokens=2)
-  return RolloutEngine(pools_of(samplers), {'a': sp, 'b': sp}, {'a': 4, 'b': 3}, TOK, seed=0,
-                       admission=admission), samplers
+  return RolloutEngine(pools_of(samplers), {'a': sp, 'b': sp}, {'a': 4, 'b': 3}, TOK,
+                       seed=0), samplers
 
 
 def _queries(n):
   return [Query(f'q{i}', str(i % 10)) for i in range(n)]
 
 
-def test_lockstep_requests_are_batched_per_round_and_recorded():
-  engine, samplers = _engine('waves')
+def test_requests_waiting_together_are_batched_and_recorded():
+  engine, samplers = _engine()
   results = engine.run(Fanout(), _queries(5))
-  # round 1: all five `a` requests in one batch; round 2: all ten `b` branches in one.
+  # The five `a` requests wait together: one batch; then all ten `b` branches: one.
   assert samplers['a'].calls == [5]
   assert samplers['b'].calls == [5 * 2 * 3]
   for res in results:
-    assert [t.turn for t in res.turns] == [0, 1, 2]
-    assert [t.agent for t in res.turns] == ['a', 'b', 'b']
-    assert res.turns[1].sample_ids == [f'{res.query.query_id}_1_{j}' for j in range(3)]
+    assert [g.call for g in res.served] == [0, 1, 2]
+    assert [g.agent for g in res.served] == ['a', 'b', 'b']
+    assert res.served[1].sample_ids == [f'{res.query.query_id}_1_{j}' for j in range(3)]
     assert res.episode.rewards[f'{res.query.query_id}_0_0'] == 1.0
-    assert res.turns[0].tokens[0].tolist() == [TOK.encode('=')[-1], TOK.eos_id]
+    assert res.served[0].tokens[0].tolist() == [TOK.encode('=')[-1], TOK.eos_id]
 
 
 def test_unscored_or_invented_samples_are_errors():

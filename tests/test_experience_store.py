@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from flexmarl.store.experience_store import ExperienceStore, Row, StoredRow, make_sample_id
+from flexmarl.data import records
+from flexmarl.store.experience_store import ExperienceStore, Row, StoredRow
 
 _AGENT = 'solver'
 _BATCH_ROWS = 24
@@ -36,11 +37,11 @@ def _expected_reward(sample_id: str) -> float:
 
 
 def _batch_ids(batch: int) -> list[str]:
-  return [make_sample_id(f'q{batch}', batch % 3, j) for j in range(_BATCH_ROWS)]
+  return [records.sample_id(f'q{batch}', batch % 3, j) for j in range(_BATCH_ROWS)]
 
 
 def _batch_of(sample_id: str) -> int:
-  return int(sample_id.split('_')[0][1:])
+  return int(records.parse_sample_id(sample_id).query_id[1:])
 
 
 def _assert_row(got: StoredRow, want: Row) -> None:

@@ -81,7 +81,7 @@ class CheckpointWatch:
       journal._writer = _DeferredExecutor()
 
     def on_trained(journal, name, groups):
-      watch.trained[name] |= {s for g in groups for s in g.turn.sample_ids}
+      watch.trained[name] |= {s for g in groups for s in g.served.sample_ids}
       trained(journal, name, groups)
 
     def on_save(checkpointer, step, train_state, meta):
@@ -122,7 +122,7 @@ def straight(request, tmp_path_factory):
   config.checkpoint_every = 3
   config.schedule = schedule
   if schedule == 'flexmarl':
-    # Several waves a step, so that rows carried over a checkpoint were already
+    # Few queries in flight, so that rows carried over a checkpoint were already
     # accumulated once before it (the resumed run must accumulate them again).
     config.rollout.query_concurrency, config.rollout.max_step_queries = 2, 4
   workdir = str(tmp_path_factory.mktemp(schedule.replace(':', '')))

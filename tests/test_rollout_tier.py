@@ -7,7 +7,6 @@ import threading
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from flexmarl.models import sharding, transformer
@@ -57,26 +56,23 @@ class Turns:
     return ep
 
 
-def _single_pool_engine(admission, concurrency=2):
+def _single_pool_engine(concurrency=2):
   pool = InstancePool('a', [Instance('a/0', (0,), SlowEcho())], make_sampler=None)
   return RolloutEngine({'a': pool}, {'a': SP}, {'a': 1}, TOK, seed=0,
-                       concurrency=concurrency, admission=admission)
+                       concurrency=concurrency)
 
 
-@pytest.mark.parametrize('admission', ['stream', 'waves'])
-def test_a_long_query_holds_back_later_ones_only_in_waves(admission):
+def test_a_long_query_holds_back_no_later_one():
   queries = [Query('q0', 'long')] + [Query(f'q{i}', 'short') for i in range(1, 4)]
-  results = _single_pool_engine(admission).run(Turns(), queries)
+  results = _single_pool_engine().run(Turns(), queries)
   assert [r.query.query_id for r in results] == ['q0', 'q1', 'q2', 'q3']  # stream order
   finished = {r.query.query_id: r.finished for r in results}
-  if admission == 'stream':  # q2 and q3 took q1's slot, one after the other
-    assert finished['q1'] < finished['q2'] < finished['q3'] < finished['q0']
-  else:  # q2 waits for the whole first wave, q0 included
-    assert finished['q2'] > finished['q0']
+  # q2 and q3 took q1's slot, one after the other, while q0 was still talking.
+  assert finished['q1'] < finished['q2'] < finished['q3'] < finished['q0']
 
 
 def test_results_are_consumed_in_stream_order_and_the_rest_abandoned():
-  engine = _single_pool_engine('stream', concurrency=3)
+  engine = _single_pool_engine(concurrency=3)
   seen = []
   source = ((i, Query(f'q{i}', 'long' if i == 0 else 'short')) for i in range(100))
   results = engine.stream(Turns(), source)
@@ -120,8 +116,7 @@ class Both:
     return ep
 
 
-@pytest.mark.parametrize('admission', ['stream', 'waves'])
-def test_instances_of_two_agents_generate_at_the_same_time(admission):
+def test_instances_of_two_agents_generate_at_the_same_time():
   devices = jax.devices()
   pools = {}
   for i, name in enumerate('ab'):
@@ -130,21 +125,17 @@ def test_instances_of_two_agents_generate_at_the_same_time(admission):
     pools[name] = InstancePool(name, [Instance(f'{name}/0', (4 + i,), sampler)], None)
   sp = SamplingParams(max_new_tokens=24)
   engine = RolloutEngine(pools, {'a': sp, 'b': sp}, {'a': 64, 'b': 64}, TOK, seed=0,
-                         concurrency=4, admission=admission)
+                         concurrency=4)
   queries = [Query(f'q{i}', '') for i in range(4)]
   engine.run(Both(), queries)  # compile
   engine.run(Both(), queries)
   [a], [b] = pools['a'].instances, pools['b'].instances
   overlap = lambda x, y: x[0] < y[1] and y[0] < x[1]
-  overlapping = sum(overlap(x, y) for x in a.busy[-4:] for y in b.busy[-4:])
-  if admission == 'stream':
-    assert overlapping > 0
-  else:  # lockstep: agent after agent, each call blocking
-    assert overlapping == 0
+  assert sum(overlap(x, y) for x in a.busy[-4:] for y in b.busy[-4:]) > 0
 
 
 def _request(i, cost):
-  return Request(0, f'q{i}', 0, 'a', [1], 1, cost, future=None, turns=[])
+  return Request(0, f'q{i}', 0, 'a', [1], 1, cost, future=None, served=[])
 
 
 def test_router_keeps_outstanding_tokens_within_one_request():

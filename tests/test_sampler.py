@@ -8,7 +8,8 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.models import transformer
-from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, left_pad, sample_key
+from flexmarl.models.layout import left_pad
+from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.train.trainer import TrainBatch, response_logprobs
 
 VOCAB, PAD, EOS = 24, 0, 2

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from flexmarl.config import agent_config, rollout_config
+from flexmarl.data.records import parse_sample_id
 from flexmarl.export import export
 from flexmarl.models import hf, transformer
 from flexmarl.rollout.engine import Answer, RolloutEngine, finish
@@ -206,18 +207,18 @@ def test_generate_takes_a_cap_and_stop_strings_per_call():
   workflow = _Asks()
   [result] = engine.run(workflow, [Query('q0', '')])
   full, short, stopped = workflow.calls
-  turns = {t.turn: t for t in result.turns}
-  assert all(len(t) <= 6 for t in turns[0].tokens)
-  assert all(len(t) <= 2 for t in turns[1].tokens)
+  served = {g.call: g for g in result.served}
+  assert all(len(t) <= 6 for t in served[0].tokens)
+  assert all(len(t) <= 2 for t in served[1].tokens)
   assert any(c.truncated for c in full) and any(c.truncated for c in short)
-  for c, t in zip(short, turns[1].tokens):  # truncated exactly when no EOS was drawn
+  for c, t in zip(short, served[1].tokens):  # truncated exactly when no EOS was drawn
     assert c.truncated == (t[-1] != TOK.eos_id)
   assert all('1' not in c.text for c in stopped)
-  cut = [c for c in stopped if not c.truncated and TOK.eos_id not in turns[2].tokens[
-      int(c.sample_id.rsplit('_', 1)[1])]]
+  cut = [c for c in stopped if not c.truncated and TOK.eos_id not in served[2].tokens[
+      parse_sample_id(c.sample_id).j]]
   assert cut, 'no answer of the stop-string call reached its stop string'
   for c in cut:  # its tokens end with the one that completed the stop string
-    tokens = turns[2].tokens[int(c.sample_id.rsplit('_', 1)[1])]
+    tokens = served[2].tokens[parse_sample_id(c.sample_id).j]
     assert TOK.decode(tokens).endswith('1') and TOK.decode(tokens)[:-1] == c.text
   with pytest.raises(ValueError, match=r'max_new_tokens=7.*\[1, 6\]'):
     engine.run(type('Long', (_Asks,), {'run': lambda self, q, agents: agents['a'].generate(

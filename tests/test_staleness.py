@@ -24,7 +24,7 @@ def run(tmp_path_factory):
 
   def spy(self, micro):
     seen.append((self.name, self.version,
-                 [(sid, g.turn.version) for g in micro for sid in g.turn.sample_ids]))
+                 [(sid, g.served.version) for g in micro for sid in g.served.sample_ids]))
     original(self, micro)
 
   workdir = str(tmp_path_factory.mktemp('async'))

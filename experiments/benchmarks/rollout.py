@@ -1,4 +1,4 @@
-"""Rollout only: lockstep waves vs streaming vs streaming with instance pools.
+"""Rollout only: streaming vs streaming with instance pools.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m experiments.benchmarks.rollout [--queries=192] [--repeats=3]
@@ -8,10 +8,8 @@ and three specialists, Zipf-skewed, 24 queries in flight) is rolled out with fix
 (initial) weights, no training, through `orch.engine.run` of the team `main.build`
 makes, under three rollout configs:
 
-- `waves`: `admission='waves'`, one instance per agent (4 training + 4 rollout devices):
-  a wave of 24 queries at a time, each agent's requests in one blocking call per round.
-- `stream`: `admission='stream'`, the same placement: a finished query's slot is
-  refilled at once, every busy instance generates at the same time.
+- `stream`: one instance per agent (4 training + 4 rollout devices): a finished query's
+  slot is refilled at once, every busy instance generates at the same time.
 - `pools`: streaming with 2 instances for the router and 2 for the reverser (the hot
   agents) on devices 4-7, the sorter and adder rolling out on their own (idle)
   training devices 2 and 3 (`rollout.devices=shared`, explicit device lists: 6
@@ -39,7 +37,7 @@ from experiments import hierarchical_assistant
 _QUERIES = flags.DEFINE_integer('queries', 192, 'Queries rolled out per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs per variant; medians reported.')
 _MAX_WARMUPS = flags.DEFINE_integer('max_warmups', 4, 'Untimed runs at most (at least 2).')
-_VARIANTS = flags.DEFINE_list('variants', ['waves', 'stream', 'static', 'pools'],
+_VARIANTS = flags.DEFINE_list('variants', ['stream', 'static', 'pools'],
                               'Variants to run.')
 
 AGENTS = ('router', 'reverser', 'sorter', 'adder')
@@ -49,10 +47,8 @@ def variant_config(variant: str):
   """The default experiment's config with the variant's rollout settings."""
   config = hierarchical_assistant.get_config()
   r = config.rollout
-  r.devices, r.admission, r.balance = 'separate', 'stream', False
-  if variant == 'waves':
-    r.admission = 'waves'
-  elif variant in ('pools', 'static'):
+  r.devices, r.balance = 'separate', False
+  if variant in ('pools', 'static'):
     r.devices, r.balance = 'shared', variant == 'pools'
     instance_devices = {'router': ((4,), (5,)), 'reverser': ((6,), (7,)),
                         'sorter': ((2,),), 'adder': ((3,),)}
@@ -62,8 +58,8 @@ def variant_config(variant: str):
       a.rollout.instances = len(instance_devices[name])
       a.rollout.devices = instance_devices[name]
   elif variant != 'stream':
-    raise ValueError(f'--variants: unknown variant {variant!r}; choose from waves, stream, '
-                     'static, pools.')
+    raise ValueError(f'--variants: unknown variant {variant!r}; choose from stream, static, '
+                     'pools.')
   return config
 
 
@@ -76,7 +72,7 @@ def timed_run(orch, queries) -> dict:
   t0 = time.perf_counter()
   results = engine.run(orch.workflow, queries)
   makespan = time.perf_counter() - t0
-  tokens = sum(len(t) for r in results for turn in r.turns for t in turn.tokens)
+  tokens = sum(len(t) for r in results for group in r.served for t in group.tokens)
   waits = [w for inst in engine.instances for w in inst.waits]
   queue_ms = {a: 1e3 * statistics.fmean([s for agent, s in waits if agent == a] or [0.0])
               for a in AGENTS}

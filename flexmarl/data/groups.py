@@ -1,7 +1,7 @@
 """Groups and the batches cut from them.
 
-A `Group` is one served request with its rewards: the unit GRPO normalizes over. Each
-agent's groups arrive in stream order (query, then turn) and are cut into global
+A `Group` is a `ServedGroup` with its rewards: the unit GRPO normalizes over. Each
+agent's groups arrive in stream order (query, then call) and are cut into global
 batches and micro-batches by a `BatchBuilder` (on-policy schedules) or wait across
 steps in a `StaleBuffer` (`async:k`). The cut depends only on that order, never on
 timing, which is what makes every on-policy schedule give the same parameters.
@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.rollout.engine import EpisodeResult, Turn
+from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.train import grpo
 
 
 @dataclasses.dataclass
 class Group:
-  """One served request with its rewards: the unit GRPO normalizes over."""
+  """A served group with its rewards: the unit GRPO normalizes over."""
 
-  turn: Turn
+  served: ServedGroup
   rewards: np.ndarray
   advantages: np.ndarray  # fixed once the group is complete, before any gradient
   correct: np.ndarray  # 1.0 / 0.0 per sample, NaN where the workflow did not say
@@ -35,15 +35,15 @@ class Group:
 
 def groups_of(result: EpisodeResult, normalize_std: Mapping[str, bool]
               ) -> dict[str, list[Group]]:
-  """Per agent (the keys of `normalize_std`), the groups of one query in turn order,
+  """Per agent (the keys of `normalize_std`), the groups of one query in call order,
   with their GRPO advantages."""
   out: dict[str, list[Group]] = {a: [] for a in normalize_std}
-  for turn in result.turns:
-    rewards = np.array([result.episode.rewards[s] for s in turn.sample_ids], np.float32)
+  for served in result.served:
+    rewards = np.array([result.episode.rewards[s] for s in served.sample_ids], np.float32)
     correct = np.array([float(result.episode.correct[s]) if s in result.episode.correct
-                        else np.nan for s in turn.sample_ids], np.float32)
-    adv = grpo.group_advantages(rewards, len(rewards), normalize_std[turn.agent])
-    out[turn.agent].append(Group(turn, rewards, adv, correct))
+                        else np.nan for s in served.sample_ids], np.float32)
+    adv = grpo.group_advantages(rewards, len(rewards), normalize_std[served.agent])
+    out[served.agent].append(Group(served, rewards, adv, correct))
   return out
 
 
@@ -51,16 +51,16 @@ def check_fits(group: Group, global_batch: int) -> None:
   """A GRPO group is never split, so it must fit in one global batch."""
   if group.size > global_batch:
     raise ValueError(
-        f'agent {group.turn.agent!r}: query {group.turn.query_id} asked for a group of '
+        f'agent {group.served.agent!r}: query {group.served.query_id} asked for a group of '
         f'{group.size} samples (generate(n={group.size})), more than its global_batch='
         f'{global_batch}; GRPO groups are never split: raise '
-        f'config.agents.{group.turn.agent}.global_batch or ask for fewer samples.')
+        f'config.agents.{group.served.agent}.global_batch or ask for fewer samples.')
 
 
 class BatchBuilder:
   """One agent's global batch at its current version, built group by group.
 
-  Groups arrive in (query, turn) order. Until the batch is full (the rows offered
+  Groups arrive in (query, call) order. Until the batch is full (the rows offered
   reach `global_batch`), a group is kept while it fits in `global_batch` rows, else
   counted as surplus; once it is full, every group is surplus. With DAPO's dynamic
   sampling, groups whose rewards are all equal are dropped (`filtered_rows`) and do
@@ -123,7 +123,7 @@ class StaleBuffer:
     self.kept.append(group)
 
   def _fresh(self, group: Group, version: int) -> bool:
-    return version - group.turn.version <= self.max_staleness
+    return version - group.served.version <= self.max_staleness
 
   def fresh_rows(self, version: int) -> int:
     """Rows that may still update parameters at `version`."""

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from flexmarl.data.groups import Group
+from flexmarl.data.records import ServedGroup, parse_sample_id
 from flexmarl.metrics.spans import STORE_WRITE, SpanRecorder
-from flexmarl.rollout.engine import Turn
 from flexmarl.store.experience_store import ExperienceStore, Row
 
 
@@ -33,15 +33,15 @@ class Journal:
   def record(self, name: str, groups: Sequence[Group]) -> None:
     """Queue served rows, with rewards and advantages, for the agent's table."""
     for g in groups:
-      t = g.turn
+      s = g.served
       self._rows[name] += [
-          Row(sid, t.version, t.prompt_ids, tokens, logprobs, float(r), float(a))
-          for sid, tokens, logprobs, r, a in zip(t.sample_ids, t.tokens, t.logprobs,
+          Row(sid, s.version, s.prompt_ids, tokens, logprobs, float(r), float(a))
+          for sid, tokens, logprobs, r, a in zip(s.sample_ids, s.tokens, s.logprobs,
                                                  g.rewards, g.advantages)]
 
   def trained(self, name: str, groups: Sequence[Group]) -> None:
     """Rows an update trained on: consumed once the next checkpoint is written."""
-    self._trained[name] += [s for g in groups for s in g.turn.sample_ids]
+    self._trained[name] += [s for g in groups for s in g.served.sample_ids]
 
   def write(self) -> None:
     """Append the queued rows in the background.
@@ -87,9 +87,10 @@ class Journal:
 
 
 def group_ref(g: Group) -> dict:
-  """A buffered group as the checkpoint names it: its rows live in the ExperienceStore."""
-  t = g.turn
-  return dict(query_id=t.query_id, turn=t.turn, agent=t.agent, sample_ids=t.sample_ids,
+  """A buffered group as the checkpoint names it: its rows live in the ExperienceStore, and
+  its call is read back from its sample ids."""
+  s = g.served
+  return dict(query_id=s.query_id, agent=s.agent, sample_ids=s.sample_ids,
               correct=g.correct.tolist())
 
 
@@ -123,10 +124,11 @@ def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) 
   out = []
   for ref in refs:
     mine = [rows[s] for s in ref['sample_ids']]
-    turn = Turn(ref['query_id'], ref['turn'], ref['agent'], mine[0].policy_version,
-                mine[0].prompt_ids.tolist(), ref['sample_ids'], [r.response_ids for r in mine],
-                [r.logprobs for r in mine])
-    out.append(Group(turn, np.array([r.reward for r in mine], np.float32),
+    call = parse_sample_id(ref['sample_ids'][0]).call
+    served = ServedGroup(ref['query_id'], call, ref['agent'], mine[0].policy_version,
+                         mine[0].prompt_ids.tolist(), ref['sample_ids'],
+                         [r.response_ids for r in mine], [r.logprobs for r in mine])
+    out.append(Group(served, np.array([r.reward for r in mine], np.float32),
                      np.array([r.advantage for r in mine], np.float32),
                      np.asarray(ref['correct'], np.float32)))
   return out

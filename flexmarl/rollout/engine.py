@@ -1,20 +1,16 @@
 """RolloutEngine: runs workflows as a stream and keeps every rollout instance busy.
 
 Every query's workflow runs as an asyncio task. Up to `concurrency` queries are in
-flight; a finished query's slot is refilled at once (`admission='stream'`), so a long
-answer delays only its own query. Each `generate` becomes a request routed to the
-least-loaded instance of its agent (`pool.py`); an instance that is busy queues it for
-its next batch. All busy instances generate at the same time; the engine collects
-whichever finishes first (through the clock), and a balancer may move idle instances
-from cold agents to hot ones between batches (`balancer.py`).
+flight; a finished query's slot is refilled at once, so a long answer delays only its
+own query. Each `generate` becomes a request routed to the least-loaded instance of its
+agent (`pool.py`); an instance that is busy queues it for its next batch. All busy
+instances generate at the same time; the engine collects whichever finishes first
+(through the clock), and a balancer may move idle instances from cold agents to hot ones
+between batches (`balancer.py`). A served request is a `data.records.ServedGroup`.
 
 Samples never depend on batching: each row's PRNG key comes from (seed, agent,
 version, sample_id). Results reach the caller in stream order, whatever order queries
 finish in, so what a step trains on depends only on the query stream.
-
-`admission='waves'` is the lockstep engine kept for comparison: a wave of
-`concurrency` queries at a time, and rounds in which each agent's waiting requests
-are generated in one blocking call, agent after agent.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequenc
 import numpy as np
 
 from flexmarl.clock import Clock, RealClock
+from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
@@ -34,22 +31,6 @@ from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import check_episode, run_error, timeout_error
-
-ADMISSIONS = ('stream', 'waves')
-
-
-@dataclasses.dataclass
-class Turn:
-  """One served request: a GRPO group of `len(tokens)` samples of one prompt."""
-
-  query_id: str
-  turn: int
-  agent: str
-  version: int
-  prompt_ids: list[int]
-  sample_ids: list[str]
-  tokens: list[np.ndarray]  # each: response ids incl. EOS, unpadded
-  logprobs: list[np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +58,6 @@ def finish(tokens: np.ndarray, tokenizer: TextTokenizer, stop: Sequence[str] = (
   return Answer(n, tokenizer.decode(tokens), not ended)
 
 
-@dataclasses.dataclass
-class EpisodeResult:
-  query: Query
-  index: int  # position of the query in the run's stream
-  turns: list[Turn]
-  episode: Episode
-  started: float = 0.0  # clock time the query was admitted
-  finished: float = 0.0  # clock time its workflow returned
-
-
 class _Client:
   """`agents[name]` inside one query's workflow."""
 
@@ -105,9 +76,9 @@ class _QueryContext:
                requests: list[Request], started: float):
     self.engine, self.query, self.index, self.requests = engine, query, index, requests
     self.started = started
-    self.turns: list[Turn] = []
+    self.served: list[ServedGroup] = []
     self.waiting = 0  # generate calls not answered yet
-    self._next_turn = 0
+    self._next_call = 0
 
   def submit(self, agent: str, prompt: str, n: int | None, max_new_tokens: int | None,
              stop: Sequence[str]) -> asyncio.Future:
@@ -132,9 +103,9 @@ class _QueryContext:
     ids = engine.tokenizers[agent].encode(prompt)
     future = asyncio.get_running_loop().create_future()
     self.requests.append(Request(
-        self.index, qid, self._next_turn, agent, ids, n, len(ids) + n * limit, future,
-        self.turns, engine.clock.now(), max_new_tokens=limit, stop=stop))
-    self._next_turn += 1
+        self.index, qid, self._next_call, agent, ids, n, len(ids) + n * limit, future,
+        self.served, engine.clock.now(), max_new_tokens=limit, stop=stop))
+    self._next_call += 1
     self.waiting += 1
     future.add_done_callback(lambda _: setattr(self, 'waiting', self.waiting - 1))
     return future
@@ -146,7 +117,7 @@ class RolloutEngine:
   def __init__(self, pools: Mapping[str, InstancePool], sampling: Mapping[str, SamplingParams],
                group_sizes: Mapping[str, int],
                tokenizers: TextTokenizer | Mapping[str, TextTokenizer], seed: int, *,
-               clock: Clock | None = None, concurrency: int = 8, admission: str = 'stream',
+               clock: Clock | None = None, concurrency: int = 8,
                max_batch: int = 256, balancer: Balancer | None = None,
                query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None):
     self.pools = dict(pools)
@@ -156,7 +127,7 @@ class RolloutEngine:
                        else dict.fromkeys(self.pools, tokenizers))
     self.seed = seed
     self.clock = clock or RealClock()
-    self.concurrency, self.admission, self.max_batch = concurrency, admission, max_batch
+    self.concurrency, self.max_batch = concurrency, max_batch
     self.balancer, self.query_timeout_s = balancer, query_timeout_s
     self.recorder = recorder
     # One private loop for every rollout: a fresh loop per call costs more than a small
@@ -216,8 +187,7 @@ class RolloutEngine:
 
     try:
       while True:
-        admit = not exhausted and (self.admission == 'stream' or not active)
-        while admit and len(active) < self.concurrency:
+        while not exhausted and len(active) < self.concurrency:
           item = next(source, None)
           if item is None:
             exhausted = True
@@ -237,15 +207,12 @@ class RolloutEngine:
           yield finished.pop(expected - 1)
         if exhausted and not active:
           return
-        if admit and len(active) < self.concurrency and not exhausted:
+        if len(active) < self.concurrency and not exhausted:
           continue  # refill the slots of queries that just finished before serving
         self._check_timeouts(active.values())
-        if self.admission == 'waves':
-          self._serve_round(requests)
-        else:
-          self._dispatch(requests)
-          others = any(ctx.waiting == 0 for ctx, _ in active.values())
-          await self._collect(timeout=0.002 if others or self.query_timeout_s else None)
+        self._dispatch(requests)
+        others = any(ctx.waiting == 0 for ctx, _ in active.values())
+        await self._collect(timeout=0.002 if others or self.query_timeout_s else None)
     finally:
       for _, task in active.values():
         task.cancel()
@@ -270,7 +237,7 @@ class RolloutEngine:
 
   def _dispatch(self, requests: list[Request]) -> None:
     """Route new requests (in stream order), rebalance, start every idle instance."""
-    requests.sort(key=lambda r: (r.index, r.turn))
+    requests.sort(key=lambda r: (r.index, r.call))
     for r in requests:
       self.pools[r.agent].route(r)
     requests.clear()
@@ -302,20 +269,8 @@ class RolloutEngine:
       if id(inst.pending) in done:
         self._answer(inst)
 
-  def _serve_round(self, requests: list[Request]) -> None:
-    """Lockstep: each agent's waiting requests in one blocking call, agent after agent."""
-    requests.sort(key=lambda r: (r.index, r.turn))
-    for agent, pool in self.pools.items():
-      inst = pool.instances[0]
-      inst.queue.extend(r for r in requests if r.agent == agent)
-      inst.submit_next(self._keys, self.sampling[agent], max_batch=2**31, now=self.clock.now())
-      if inst.pending is not None:
-        self.clock.wait_any([inst.pending])
-        self._answer(inst)
-    requests.clear()
-
   def _answer(self, inst: Instance) -> None:
-    """Record the finished batch's turns and answer their workflows."""
+    """Record the finished batch's groups and answer their workflows."""
     now = self.clock.now()
     batch, out, version = inst.collect(now)
     if self.recorder is not None:
@@ -331,11 +286,11 @@ class RolloutEngine:
       tokenizer = self.tokenizers[r.agent]
       answers = [finish(out.tokens[i, :out.lengths[i]], tokenizer, r.stop) for i in rows]
       tokens = [out.tokens[i, :a.length] for i, a in zip(rows, answers)]
-      turn = Turn(r.query_id, r.turn, r.agent, version, r.prompt_ids, r.sample_ids, tokens,
-                  [out.logprobs[i, :a.length] for i, a in zip(rows, answers)])
-      r.turns.append(turn)
+      group = ServedGroup(r.query_id, r.call, r.agent, version, r.prompt_ids, r.sample_ids,
+                          tokens, [out.logprobs[i, :a.length] for i, a in zip(rows, answers)])
+      r.served.append(group)
       r.future.set_result([Completion(sid, r.agent, a.text, version, a.truncated)
-                           for sid, a in zip(turn.sample_ids, answers)])
+                           for sid, a in zip(group.sample_ids, answers)])
 
   def _check_timeouts(self, active) -> None:
     if not self.query_timeout_s:
@@ -348,6 +303,6 @@ class RolloutEngine:
 
   @staticmethod
   def _check(ctx: _QueryContext, episode: Episode, now: float) -> EpisodeResult:
-    check_episode(ctx.query.query_id, [s for t in ctx.turns for s in t.sample_ids], episode)
-    ctx.turns.sort(key=lambda t: t.turn)
-    return EpisodeResult(ctx.query, ctx.index, ctx.turns, episode, ctx.started, now)
+    check_episode(ctx.query.query_id, [s for g in ctx.served for s in g.sample_ids], episode)
+    ctx.served.sort(key=lambda g: g.call)
+    return EpisodeResult(ctx.query, ctx.index, ctx.served, episode, ctx.started, now)

@@ -4,7 +4,7 @@ An `Instance` is one sampler on its devices with a queue: requests that reach it
 while it is busy join its next batch (up to `max_batch` rows). An `InstancePool`
 holds an agent's instances and the weights they serve; it routes each request to
 the instance with the least outstanding work, counted in tokens (prompt + n ×
-max_new_tokens), optionally keeping a conversation's turns on one instance. The
+max_new_tokens), optionally keeping a conversation's calls on one instance. The
 routing decision is a pure function (`least_loaded`).
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flexmarl.interfaces import Weights
+from flexmarl.data.records import ServedGroup, sample_id
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 
 
@@ -27,20 +28,20 @@ class Request:
 
   index: int  # the query's position in the run's stream
   query_id: str
-  turn: int
+  call: int  # the call's index within its query
   agent: str
   prompt_ids: list[int]
   n: int
   cost: int  # tokens it may occupy: prompt + n × max_new_tokens
   future: asyncio.Future  # answered with the completions
-  turns: list  # the query's record of served turns, where this one is added
+  served: list[ServedGroup]  # the query's served groups, where this one is added
   enqueued: float = 0.0  # clock time the workflow asked (for queue-time metrics)
   max_new_tokens: int | None = None  # this call's cap (None: the agent's sampling cap)
   stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first one
 
   @property
   def sample_ids(self) -> list[str]:
-    return [f'{self.query_id}_{self.turn}_{j}' for j in range(self.n)]
+    return [sample_id(self.query_id, self.call, j) for j in range(self.n)]
 
 
 def least_loaded(outstanding: Sequence[int]) -> int:

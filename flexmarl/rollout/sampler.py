@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.models import transformer
+from flexmarl.models.layout import bucket, left_pad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,28 +77,6 @@ def sample_key(seed: int, agent: str, version: int, sample_id: str) -> np.ndarra
   """A raw uint32[2] PRNG key that depends only on its arguments (stable hash)."""
   digest = hashlib.blake2b(f'{seed}|{agent}|{version}|{sample_id}'.encode(), digest_size=8).digest()
   return np.frombuffer(digest, dtype=np.uint32).copy()
-
-
-def left_pad(seqs: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-align `seqs` in a [B, length] array; returns (ids, mask)."""
-  ids = np.full((len(seqs), length), pad_id, np.int32)
-  mask = np.zeros((len(seqs), length), bool)
-  for i, s in enumerate(seqs):
-    if len(s) > length:
-      raise ValueError(f'prompt of {len(s)} tokens exceeds max_prompt_len={length}: '
-                       'raise config.max_prompt_len or shorten the prompt.')
-    if s:
-      ids[i, length - len(s):] = s
-      mask[i, length - len(s):] = True
-  return ids, mask
-
-
-def bucket(n: int, multiple: int = 1) -> int:
-  """Round a batch size up to a power of two (few distinct shapes → few compiles)."""
-  size = 1
-  while size < n:
-    size *= 2
-  return -(-size // multiple) * multiple
 
 
 def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:

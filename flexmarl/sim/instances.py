@@ -19,7 +19,8 @@ import numpy as np
 from flexmarl.clock import SimClock, SimPending
 from flexmarl.metrics import spans
 from flexmarl.metrics.spans import SpanRecorder
-from flexmarl.rollout.sampler import SampleBatch, SamplingParams, bucket
+from flexmarl.models.layout import bucket
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.costs import DecodeRates, generation_time
 from flexmarl.sim.devices import CompileCache

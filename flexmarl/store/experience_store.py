@@ -1,6 +1,6 @@
 """ExperienceStore: one TensorStore table per agent, with atomic, crash-safe appends.
 
-A row is one sampled response: `sample_id` (`{query_id}_{turn}_{trajectory_id}`), the
+A row is one sampled response: `sample_id` (`{query_id}_{call}_{j}`, see data/records.py), the
 `policy_version` that sampled it, prompt and response token ids, the behaviour logprob of every
 response token, a `reward` and an `advantage` (often filled in later, e.g. by a downstream agent),
 a ready flag per field (tokens and logprobs are ready at insert; reward and advantage when given
@@ -54,11 +54,9 @@ from flexmarl.store.layout import (
     SETTABLE_FIELDS, STATUS_COL, Commit, Table, open_kvstore, open_table, refresh_table,
     validate_commit)
 from flexmarl.store.rows import (
-    Prepared, Row, StoredRow, first_difference, id_list, load_rows, make_sample_id,
-    prepare)
+    Prepared, Row, StoredRow, first_difference, id_list, load_rows, prepare)
 
-__all__ = ['READY_FIELDS', 'SETTABLE_FIELDS', 'ExperienceStore', 'Row', 'StoredRow',
-           'make_sample_id']
+__all__ = ['READY_FIELDS', 'SETTABLE_FIELDS', 'ExperienceStore', 'Row', 'StoredRow']
 
 _AGENT_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]*')
 
@@ -244,7 +242,7 @@ class ExperienceStore:
     for p in prepared:
       if p.sample_id in seen:
         raise ValueError(f'sample_id {p.sample_id!r} appears twice in one append; '
-                         'give every sample its own trajectory_id')
+                         'give every sample its own index j in sample_id(query_id, call, j)')
       seen.add(p.sample_id)
       if p.sample_id not in table.row_of:
         new.append(p)
@@ -255,7 +253,7 @@ class ExperienceStore:
       differs = first_difference(p, stored)
       if differs:
         raise ValueError(f'sample_id {p.sample_id!r} is already stored with a different '
-                         f'{differs}; a sample_id names one sample: use a new trajectory_id, '
+                         f'{differs}; a sample_id names one sample: use a new index j, '
                          'or set_field to change reward/advantage')
     return new
 

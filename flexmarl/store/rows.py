@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,16 +10,11 @@ import numpy as np
 import numpy.typing as npt
 import tensorstore as ts
 
+from flexmarl.data.records import parse_sample_id
 from flexmarl.store.layout import BIT, IX, READY_FIELDS, SETTABLE_FIELDS, STATUS_COL, Table
 
-_SAMPLE_ID = re.compile(r'.+_\d+_[^_]+')
 _MAX_TOKEN_ID = 2**31 - 1
 _READ_GAP = 1 << 16  # rows closer than this many elements are read in one request
-
-
-def make_sample_id(query_id: str, turn: int, trajectory_id: int | str) -> str:
-  """The row key the whole pipeline uses: one sampled response of one turn of one query."""
-  return f'{query_id}_{turn}_{trajectory_id}'
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,9 +65,10 @@ def id_list(sample_ids: Sequence[str]) -> list[str]:
 def prepare(row: Row, position: int) -> Prepared:
   """Validates one Row (raising with the field, the value and the fix) and converts it."""
   sid = row.sample_id
-  if not isinstance(sid, str) or not _SAMPLE_ID.fullmatch(sid):
-    raise ValueError(f'rows[{position}].sample_id={sid!r} is not of the form '
-                     "'{query_id}_{turn}_{trajectory_id}'; build it with make_sample_id")
+  try:
+    parse_sample_id(sid)
+  except ValueError as e:
+    raise ValueError(f'rows[{position}].{e}') from None
   where = f'rows[{position}] ({sid!r})'
   version = row.policy_version
   if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:

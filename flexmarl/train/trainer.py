@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flexmarl.models import sharding, transformer
-from flexmarl.rollout.sampler import bucket, left_pad
+from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from flexmarl.data.records import sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow, reward_value
 
@@ -79,8 +80,8 @@ class _StandIn:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise WorkflowError(f'query {self.query_id}: agents[{self.name!r}].generate(n={n!r}): '
                           'n must be a whole number >= 1 (default: the agent\'s group_size).')
-    turn = len(self.log)
-    self.log.append((self.name, prompt, [f'{self.query_id}_{turn}_{j}' for j in range(n)]))
+    call = len(self.log)
+    self.log.append((self.name, prompt, [sample_id(self.query_id, call, j) for j in range(n)]))
     return [Completion(sid, self.name, '', 0) for sid in self.log[-1][2]]
 
 
