@@ -72,7 +72,7 @@ class JointOrchestrator:
         {n: a.pool for n, a in self.agents.items()},
         {n: a.sampling for n, a in spec.agents.items()},
         {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
-        clock=self.clock, concurrency=r.query_concurrency, admission=r.admission,
+        clock=self.clock, concurrency=r.query_concurrency,
         max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
         recorder=self.recorder)
     self.journal = Journal(ExperienceStore.open(os.path.join(workdir, 'store'),

@@ -207,7 +207,8 @@ def _sampler_factory(a: AgentSpec, trainer: AgentTrainer, train_devices: tuple[i
   such agents does not compile again."""
   if spec.rollout.backend == 'vllm':
     from flexmarl.rollout import vllm_sampler  # the optional extra
-    engine = vllm_sampler.engine_config(**spec.rollout.vllm)
+    from flexmarl.rollout import spec as rollout_spec
+    engine = rollout_spec.engine_config(**spec.rollout.vllm)
 
     def make_vllm(devices: tuple[int, ...], params: dict, version: int) -> Sampler:
       return vllm_sampler.VLLMSampler(

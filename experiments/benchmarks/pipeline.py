@@ -2,7 +2,7 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python experiments/benchmarks/pipeline.py [--steps=60] [--warmup=30] \
-      [--concurrency=24,6] [--admission=stream,waves] [--rollout_devices=separate,shared]
+      [--concurrency=24,6] [--rollout_devices=separate,shared]
 
 `sync`, `sync_parallel` and `flexmarl` give the same parameters (tests/test_schedules.py),
 so each one does exactly the same work; only its timing differs. `async:1` trains each
@@ -13,8 +13,7 @@ the same amount of work, not the same numbers.
 experiment (a step ends as soon as every agent's batch is full, after at most
 `rollout.max_step_queries`=96 queries); 6 streams fewer queries at a time, so global
 batches fill over longer and the pipeline has more rows to train on early.
-`--admission`: `stream` (a finished query's slot is refilled at once; the default) or
-`waves` (the lockstep engine, for comparison). `--rollout_devices`: each agent's rollout
+`--rollout_devices`: each agent's rollout
 instance on a device of its own (`separate`, the paper's split pools and the default
 experiment's setting) or on its training device (`shared`). Each run warms up
 (compiles every batch shape it meets) first; the timed steps follow. The last line is
@@ -33,13 +32,12 @@ _STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per run.')
 _WARMUP = flags.DEFINE_integer('warmup', 30, 'Untimed steps first (compilation).')
 _CONCURRENCY = flags.DEFINE_list('concurrency', ['24', '6'], 'rollout.query_concurrency '
                                   'settings to time.')
-_ADMISSION = flags.DEFINE_list('admission', ['stream'], 'rollout.admission settings.')
 _DEVICES = flags.DEFINE_list('rollout_devices', ['separate'], 'rollout.devices settings.')
 
 SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:1')
 
 
-def step_time(schedule: str, concurrency: int, admission: str, rollout_devices: str) -> dict:
+def step_time(schedule: str, concurrency: int, rollout_devices: str) -> dict:
   from flexmarl.run import build
 
   spec_file = os.path.join(os.path.dirname(__file__), '..', 'hierarchical_assistant.py')
@@ -48,7 +46,7 @@ def step_time(schedule: str, concurrency: int, admission: str, rollout_devices: 
   module_spec.loader.exec_module(module)
   config = module.get_config()
   config.schedule = schedule
-  config.rollout.query_concurrency, config.rollout.admission = concurrency, admission
+  config.rollout.query_concurrency = concurrency
   config.rollout.devices = rollout_devices
   with tempfile.TemporaryDirectory() as workdir:
     orch = build(config, workdir)
@@ -71,17 +69,16 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   results = {}
   for devices in _DEVICES.value:
-    for admission in _ADMISSION.value:
-      for concurrency in map(int, _CONCURRENCY.value):
-        for schedule in SCHEDULES:
-          setting = f'c{concurrency} {admission} {devices}'
-          name = f'{schedule} {setting}'
-          r = results[name] = step_time(schedule, concurrency, admission, devices)
-          r['speedup_vs_sync'] = results[f'sync {setting}']['step_s'] / r['step_s']
-          print(f"{name:>34}: {r['step_s'] * 1e3:.0f} ms/step (rollout "
-                f"{r['rollout_s'] * 1e3:.0f} ms, then training "
-                f"{r['after_rollout_s'] * 1e3:.0f} ms), {r['speedup_vs_sync']:.2f}x sync",
-                flush=True)
+    for concurrency in map(int, _CONCURRENCY.value):
+      for schedule in SCHEDULES:
+        setting = f'c{concurrency} {devices}'
+        name = f'{schedule} {setting}'
+        r = results[name] = step_time(schedule, concurrency, devices)
+        r['speedup_vs_sync'] = results[f'sync {setting}']['step_s'] / r['step_s']
+        print(f"{name:>34}: {r['step_s'] * 1e3:.0f} ms/step (rollout "
+              f"{r['rollout_s'] * 1e3:.0f} ms, then training "
+              f"{r['after_rollout_s'] * 1e3:.0f} ms), {r['speedup_vs_sync']:.2f}x sync",
+              flush=True)
   print(json.dumps(results))
 
 

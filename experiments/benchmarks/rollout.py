@@ -1,4 +1,4 @@
-"""Rollout only: lockstep waves vs streaming vs streaming with instance pools.
+"""Rollout only: streaming vs streaming with instance pools.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m experiments.benchmarks.rollout [--queries=192] [--repeats=3]
@@ -6,12 +6,11 @@
 The default experiment's query mix (`experiments/hierarchical_assistant.py`: a router
 and three specialists, Zipf-skewed, 24 queries in flight) is rolled out with fixed
 (initial) weights, no training, through `orch.engine.run` of the team `main.build`
-makes, under three rollout configs:
+makes, under three rollout configs (RESULTS.md records the lockstep `waves` engine,
+since removed, against `stream`):
 
-- `waves`: `admission='waves'`, one instance per agent (4 training + 4 rollout devices):
-  a wave of 24 queries at a time, each agent's requests in one blocking call per round.
-- `stream`: `admission='stream'`, the same placement: a finished query's slot is
-  refilled at once, every busy instance generates at the same time.
+- `stream`: one instance per agent (4 training + 4 rollout devices): a finished query's
+  slot is refilled at once, every busy instance generates at the same time.
 - `pools`: streaming with 2 instances for the router and 2 for the reverser (the hot
   agents) on devices 4-7, the sorter and adder rolling out on their own (idle)
   training devices 2 and 3 (`rollout.devices=shared`, explicit device lists: 6
@@ -39,7 +38,7 @@ from experiments import hierarchical_assistant
 _QUERIES = flags.DEFINE_integer('queries', 192, 'Queries rolled out per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs per variant; medians reported.')
 _MAX_WARMUPS = flags.DEFINE_integer('max_warmups', 4, 'Untimed runs at most (at least 2).')
-_VARIANTS = flags.DEFINE_list('variants', ['waves', 'stream', 'static', 'pools'],
+_VARIANTS = flags.DEFINE_list('variants', ['stream', 'static', 'pools'],
                               'Variants to run.')
 
 AGENTS = ('router', 'reverser', 'sorter', 'adder')
@@ -49,10 +48,8 @@ def variant_config(variant: str):
   """The default experiment's config with the variant's rollout settings."""
   config = hierarchical_assistant.get_config()
   r = config.rollout
-  r.devices, r.admission, r.balance = 'separate', 'stream', False
-  if variant == 'waves':
-    r.admission = 'waves'
-  elif variant in ('pools', 'static'):
+  r.devices, r.balance = 'separate', False
+  if variant in ('pools', 'static'):
     r.devices, r.balance = 'shared', variant == 'pools'
     instance_devices = {'router': ((4,), (5,)), 'reverser': ((6,), (7,)),
                         'sorter': ((2,),), 'adder': ((3,),)}
@@ -62,7 +59,7 @@ def variant_config(variant: str):
       a.rollout.instances = len(instance_devices[name])
       a.rollout.devices = instance_devices[name]
   elif variant != 'stream':
-    raise ValueError(f'--variants: unknown variant {variant!r}; choose from waves, stream, '
+    raise ValueError(f'--variants: unknown variant {variant!r}; choose from stream, '
                      'static, pools.')
   return config
 
