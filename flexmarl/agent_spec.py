@@ -96,8 +96,7 @@ class AgentSpec:
     defaults = agent_config().to_dict()
     refuse_unknown(f, given, defaults)
     a = ml_collections.ConfigDict({**defaults, **given})
-    model, checkpoint = _model(f'{f}.model', {**defaults['model'], **given.get('model', {})},
-                               vocab_size)
+    model, checkpoint = _model(f, {**defaults['model'], **given.get('model', {})}, vocab_size)
     for key in ('group_size', 'global_batch', 'micro_batch'):
       whole_number(f'{f}.{key}', a[key], 1)
     if a.global_batch % a.group_size:
@@ -160,8 +159,10 @@ def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
     raise ConfigError(f'config.{field}={folder!r}: {e}') from None
 
 
-def _model(field: str, section: Mapping[str, Any], vocab_size: int) -> tuple[ModelConfig, str]:
-  """(the checked ModelConfig, the checkpoint folder or '') of a model section."""
+def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[ModelConfig, str]:
+  """(the checked ModelConfig, the checkpoint folder or '') of agent field `agent`'s
+  model section."""
+  field = f'{agent}.model'
   model = dict(section)
   checkpoint = model.pop('checkpoint')
   preset = model.pop('preset')
@@ -176,8 +177,8 @@ def _model(field: str, section: Mapping[str, Any], vocab_size: int) -> tuple[Mod
     if model_cfg.vocab_size < vocab_size:
       fail(f'{field}.checkpoint', checkpoint,
            f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
-           f'{vocab_size}; use the checkpoint\'s own tokenizer ({field[:-len(".model")]}'
-           '.tokenizer, or config.tokenizer for the whole team).')
+           f'{vocab_size}; use the checkpoint\'s own tokenizer ({agent}.tokenizer, or '
+           'config.tokenizer for the whole team).')
     return model_cfg, checkpoint
   try:
     return ModelConfig(**{**PRESETS[preset], **model, 'vocab_size': model_vocab}), ''
