@@ -45,7 +45,8 @@ class VLLMEngineConfig:
   dtype: str = 'float32'
   max_model_len: int = 512
   gpu_memory_utilization: float = 0.5
-  kv_cache_bytes: int = 0  # 0: vLLM's default (GPU: the memory fraction; CPU: VLLM_CPU_KVCACHE_SPACE)
+  # 0: vLLM's default (GPU: the memory fraction; CPU: VLLM_CPU_KVCACHE_SPACE)
+  kv_cache_bytes: int = 0
   enforce_eager: bool = True
   max_num_seqs: int = 256
   max_restarts: int = 2  # per batch, after which its Future carries the error
