@@ -29,6 +29,7 @@ from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
+from flexmarl.rollout.spec import engine_config
 from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, Timeline
@@ -119,7 +120,7 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
     tokenizer = tokenizers[name]
     if spec.rollout.backend == 'vllm':
       from flexmarl.rollout import vllm_sampler  # the optional extra
-      engine = vllm_sampler.engine_config(**spec.rollout.vllm)
+      engine = engine_config(**spec.rollout.vllm)
 
       def make_vllm(devices: tuple[int, ...], weights: Weights) -> Sampler:
         return vllm_sampler.VLLMSampler(

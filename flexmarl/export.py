@@ -24,7 +24,7 @@ from flexmarl.models import hf
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train.checkpoint import AgentCheckpointer
-from flexmarl.train.trainer import make_optimizer
+from flexmarl.train.optimizer import make_optimizer
 
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
 _DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (default: as trained).')

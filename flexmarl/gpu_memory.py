@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from flexmarl.config import TeamSpec
 from flexmarl.errors import ConfigError
-from flexmarl.train.pool import param_count, state_nbytes
+from flexmarl.rollout.spec import engine_config
+from flexmarl.train.sizing import param_count, state_nbytes
 
 BUDGET = 0.9  # of a GPU, for JAX and vLLM together; the rest: CUDA contexts, workspaces
 JAX_FRACTION = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
@@ -159,7 +160,6 @@ def needs(spec: TeamSpec) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
     put(m.devices, f'pool{i} ({largest} state)', state[largest])
   engines = {}
   if spec.rollout.backend == 'vllm':
-    from flexmarl.rollout.vllm_sampler import engine_config
     e = engine_config(**spec.rollout.vllm)
     itemsize = jnp.dtype(e.dtype).itemsize
     for name, insts in p.rollout.items():

@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from flexmarl.run import train
-from flexmarl.validate import RENAMED
+from flexmarl.validate import replacement
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=True)
@@ -29,12 +29,12 @@ def _overridden_fields(argv: list[str]) -> list[str]:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with the fix added to what went wrong (a renamed or unknown
+  """absl's flag parsing, with the fix added to what went wrong (a renamed, removed or unknown
   `--config.x`, a bad value, a missing config file, a config file that raises)."""
   for field in _overridden_fields(argv):
-    if field in RENAMED:
-      new, note = RENAMED[field]
-      sys.exit(f'--config.{field}: renamed: use --config.{new} ({note}).')
+    fix = replacement(field, flag=True)
+    if fix:
+      sys.exit(f'--config.{field}: {fix}')
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

@@ -27,7 +27,8 @@ CONFIG_FILE, RUN_FILE = 'config.json', 'run.json'
 # difference is refused.
 HARMLESS = ('steps', 'checkpoint_every', 'agents.*.optimizer.decay_steps',
             'agents.*.grpo.entropy_decay_steps', 'agents.*.mesh_shape',
-            'rollout.devices', 'placement')
+            'rollout.devices', 'placement',
+            'rollout.admission')  # removed: runs that set it resume streaming
 
 
 class WorkdirError(ValueError):

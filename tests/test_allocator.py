@@ -7,7 +7,7 @@ import pytest
 from flexmarl.errors import ConfigError
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
-from flexmarl.train import grpo, pool
+from flexmarl.train import grpo, pool, sizing
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig
 
@@ -64,15 +64,15 @@ def test_evict_least_recently_used_until_the_rest_fits():
 def test_pool_checks_name_the_field_and_the_fix():
   with pytest.raises(ConfigError, match=r"agents\.coder\.mesh_shape=\(2, 2\).*needs 4 devices.*"
                      r"pool has 2.*smaller mesh"):
-    pool.check_pool(2, {'router': F2, 'coder': T22})
-  pool.check_pool(4, {'router': F2, 'coder': T22, 'other': T22})  # they take turns
-  nbytes = pool.state_nbytes(ModelConfig(), OptimizerConfig(), grpo.GRPOConfig())
+    sizing.check_pool(2, {'router': F2, 'coder': T22})
+  sizing.check_pool(4, {'router': F2, 'coder': T22, 'other': T22})  # they take turns
+  nbytes = sizing.state_nbytes(ModelConfig(), OptimizerConfig(), grpo.GRPOConfig())
   t = AgentTrainer('a', ModelConfig(), OptimizerConfig(), grpo.GRPOConfig(), F2, seed=0)
   assert nbytes == t.state.nbytes  # params, Adam moments, counts, RNG: from shapes
   with pytest.raises(ConfigError, match=rf"host_budget_bytes=1000: agent 'b' alone has a state "
                      rf"of {nbytes} bytes.*at least {nbytes}"):
-    pool.check_host_budget(1000, {'a': 10, 'b': nbytes})
-  pool.check_host_budget(nbytes, {'a': nbytes, 'b': nbytes})
+    sizing.check_host_budget(1000, {'a': 10, 'b': nbytes})
+  sizing.check_host_budget(nbytes, {'a': nbytes, 'b': nbytes})
 
 
 def test_carve_gives_disjoint_meshes_or_refuses():

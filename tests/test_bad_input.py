@@ -98,7 +98,12 @@ CONFIG_CASES = {
                                  ['rollout.queries_per_wave=4', 'renamed', 'query_concurrency']),
     'renamed_max_waves': (_set('rollout.max_waves', 2),
                           ['rollout.max_waves=2', 'renamed', 'max_step_queries']),
+    'removed_admission': (_set('rollout.admission', 'stream'),
+                          ["rollout.admission='stream'", 'removed', 'always streams',
+                           'drop the field']),
     'unknown_rollout_field': (_set('rollout.queries', 2), ["['queries']", 'query_concurrency']),
+    'unknown_agent_field': (_set('agents.solver.global_batch_size', 8),
+                            ["agents.solver", "['global_batch_size']", 'global_batch']),
 }
 
 

@@ -107,6 +107,7 @@ def test_a_dict_of_specialists_is_refused(tmp_path):
     ('--config.steps=many', 'steps'),
     ('--config.rollout.queries_per_wave=8', 'renamed: use --config.rollout.query_concurrency'),
     ('--config.rollout.max_waves=2', 'renamed: use --config.rollout.max_step_queries'),
+    ('--config.rollout.admission=waves', 'removed: the rollout always streams; drop the field'),
 ])
 def test_command_line_overrides_are_checked(tmp_path, flag, needle):
   out = subprocess.run(
@@ -137,3 +138,27 @@ def test_experiment_configs_are_valid(name, arg):
   # The dry run of the workflow, and its prompts against max_prompt_len.
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()}, 0)
   check_prompt_lengths(requests, tokenizer, spec.max_prompt_len)
+
+
+def test_default_sections_are_generated_from_the_spec_dataclasses():
+  """A field and its default are written once, on a part's spec dataclass: the default
+  config sections read back as those defaults, and an optional field with no value is
+  a typed placeholder, so that a command-line flag can set it."""
+  from flexmarl.config import (AgentSpec, RolloutSpec, TrainingSpec, agent_config,
+                               rollout_config, training_config)
+  from flexmarl.rollout.spec import SamplingParams
+  from flexmarl.train.spec import GRPOConfig, OptimizerConfig
+  assert RolloutSpec.from_config(rollout_config()) == RolloutSpec()
+  assert TrainingSpec.from_config(training_config()) == TrainingSpec()
+  a = AgentSpec.from_config('a', agent_config(), 64)
+  assert (a.sampling, a.optimizer) == (SamplingParams(), OptimizerConfig())
+  assert a.grpo == GRPOConfig(max_new_tokens=SamplingParams().max_new_tokens)
+  assert (a.group_size, a.global_batch, a.micro_batch) == (8, 64, 16)
+  assert set(agent_config().grpo) == {'clip_eps', 'clip_eps_low', 'clip_eps_high', 'kl_coef',
+                                      'entropy_coef', 'entropy_decay_steps', 'normalize_std',
+                                      'loss_norm', 'dynamic_sampling'}  # not the derived
+  c = agent_config()
+  c.grpo.clip_eps_high = 0.28
+  with pytest.raises(TypeError):
+    c.grpo.clip_eps_low = 'low'
+  assert AgentSpec.from_config('a', c, 64).grpo.clip_range == (0.2, 0.28)

@@ -10,7 +10,7 @@ from flexmarl.config import build_team_spec
 from flexmarl.rollout import vllm_check
 from flexmarl.errors import ConfigError
 from flexmarl.tokenizer import build_char_tokenizer
-from flexmarl.train.pool import param_count, state_nbytes
+from flexmarl.train.sizing import param_count, state_nbytes
 from flexmarl.workflows import build_workflow
 
 

@@ -135,7 +135,7 @@ def test_bad_checkpoints_are_refused_with_the_field(tmp_path):
   agent = config_lib.agent_config()
   agent.model.checkpoint = str(tmp_path / 'missing')
   with pytest.raises(config_lib.ConfigError, match='agents.a.model.checkpoint'):
-    config_lib._agent_spec('a', agent, 40)
+    config_lib.AgentSpec.from_config('a', agent, 40)
   cfg = ModelConfig(vocab_size=48)
   folder = hf.save_hf(cfg, nnx.to_pure_dict(nnx.state(Decoder(cfg, nnx.Rngs(params=0)))),
                       str(tmp_path / 'wrong'))
@@ -204,7 +204,7 @@ def test_trained_model_keeps_its_accuracy_through_hf(tmp_path):
   agent = config_lib.agent_config()
   agent.model.checkpoint = str(tmp_path / 'export')
   loaded_tok = load_tokenizer(str(tmp_path / 'export'))
-  spec = config_lib._agent_spec('solver', agent, loaded_tok.vocab_size)
+  spec = config_lib.AgentSpec.from_config('solver', agent, loaded_tok.vocab_size)
   assert spec.model == cfg and spec.checkpoint == str(tmp_path / 'export')
   loaded = hf.initial_params(spec.model, spec.checkpoint, _shardings(spec.model, (1, 1)), seed=7)
   jax.tree.map(np.testing.assert_array_equal, params, loaded)

@@ -17,7 +17,7 @@ from flexmarl.config import ConfigError, build_team_spec, training_config
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.tokenizer import load_tokenizer
-from flexmarl.train import pool
+from flexmarl.train import sizing
 from flexmarl.workflows import build_workflow
 
 STEPS = 3
@@ -39,7 +39,7 @@ def _config(pool_devices=0, host_budget_gb=0.0):
 
 def _state_gb(c):
   spec = _spec(c)
-  return max(pool.state_nbytes(a.model, a.optimizer, a.grpo) for a in spec.agents.values()) / 1e9
+  return max(sizing.state_nbytes(a.model, a.optimizer, a.grpo) for a in spec.agents.values()) / 1e9
 
 
 def _spec(c):

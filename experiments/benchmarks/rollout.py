@@ -6,7 +6,8 @@
 The default experiment's query mix (`experiments/hierarchical_assistant.py`: a router
 and three specialists, Zipf-skewed, 24 queries in flight) is rolled out with fixed
 (initial) weights, no training, through `orch.engine.run` of the team `main.build`
-makes, under three rollout configs:
+makes, under three rollout configs (RESULTS.md records the lockstep `waves` engine,
+since removed, against `stream`):
 
 - `stream`: one instance per agent (4 training + 4 rollout devices): a finished query's
   slot is refilled at once, every busy instance generates at the same time.

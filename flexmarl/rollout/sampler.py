@@ -27,13 +27,7 @@ from flax import nnx
 
 from flexmarl.models import transformer
 from flexmarl.models.layout import bucket, left_pad
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  temperature: float = 1.0
-  top_p: float = 1.0
-  max_new_tokens: int = 8
+from flexmarl.rollout.spec import SamplingParams
 
 
 @dataclasses.dataclass

@@ -25,33 +25,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import random
 import shutil
 import time
 import warnings
-from typing import Any
 
 import numpy as np
 
 from flexmarl.models import hf
 from flexmarl.models.transformer import ModelConfig
-from flexmarl.rollout.sampler import SampleBatch, SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class VLLMEngineConfig:
-  """Engine arguments (config: `rollout.vllm.*`)."""
-
-  dtype: str = 'float32'
-  max_model_len: int = 512
-  gpu_memory_utilization: float = 0.5
-  kv_cache_bytes: int = 0  # 0: vLLM's default (GPU: the memory fraction; CPU: VLLM_CPU_KVCACHE_SPACE)
-  enforce_eager: bool = True
-  max_num_seqs: int = 256
-  max_restarts: int = 2  # per batch, after which its Future carries the error
+from flexmarl.rollout.sampler import SampleBatch
+from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
 
 
 def row_seed(key: np.ndarray) -> int:
@@ -268,12 +254,3 @@ class VLLMSampler:
             f'fit rollout.vllm.max_model_len={limit} (or is empty); raise max_model_len.')
       if min(p) < 0 or max(p) >= self.cfg.vocab_size:
         raise ValueError(f'prompt token ids must lie in [0, {self.cfg.vocab_size}): got {p}.')
-
-
-def engine_config(**kwargs: Any) -> VLLMEngineConfig:
-  """A VLLMEngineConfig from config fields, with the field named on a typo."""
-  names = {f.name for f in dataclasses.fields(VLLMEngineConfig)}
-  unknown = sorted(set(kwargs) - names)
-  if unknown:
-    raise ValueError(f'config.rollout.vllm has unknown fields {unknown}; known: {sorted(names)}.')
-  return VLLMEngineConfig(**kwargs)

@@ -23,36 +23,12 @@ Options from the field, all per agent:
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-LOSS_NORMS = ('token', 'constant')
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-  clip_eps: float = 0.2
-  clip_eps_low: float | None = None  # ratio >= 1 - clip_eps_low (None: clip_eps) ...
-  clip_eps_high: float | None = None  # ... and <= 1 + clip_eps_high (DAPO: 0.28).
-  kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds k3 KL.
-  entropy_coef: float = 0.0  # bonus at version 0, annealed linearly ...
-  entropy_decay_steps: int = 0  # ... to 0 over this many updates (0: constant).
-  normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
-  loss_norm: str = 'token'  # 'token': / tokens of the global batch; 'constant': Dr. GRPO.
-  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal.
-  temperature: float = 1.0  # the sampling temperature the logprobs refer to.
-  max_new_tokens: int = 0  # the sampling length limit ('constant' normaliser).
-
-  @property
-  def clip_range(self) -> tuple[float, float]:
-    """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
-    low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
-    high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-    return low, high
+from flexmarl.train.spec import GRPOConfig
 
 
 def loss_divisor(cfg: GRPOConfig, tokens: int, rows: int) -> float:

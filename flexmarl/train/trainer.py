@@ -17,7 +17,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,28 +24,10 @@ from flexmarl.models import sharding, transformer
 from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
+from flexmarl.train.optimizer import make_optimizer
+from flexmarl.train.spec import OptimizerConfig
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
 from flexmarl.train.step import StepCache, Steps, build_steps
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  learning_rate: float = 3e-3
-  b1: float = 0.9
-  b2: float = 0.99
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  decay_steps: int = 0  # cosine decay of the learning rate over this many updates (0: constant)
-  final_lr_fraction: float = 0.1
-
-
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-  lr = cfg.learning_rate
-  if cfg.decay_steps:
-    lr = optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, cfg.final_lr_fraction)
-  return optax.chain(
-      optax.clip_by_global_norm(cfg.max_grad_norm),
-      optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,130 @@
+"""The rollout tier's specs: how an agent samples (`SamplingParams`), how the tier
+serves queries (`RolloutSpec`, config section `rollout`) and a vLLM engine's arguments
+(`VLLMEngineConfig`, `rollout.vllm`). Each field and its default are written once,
+here; each spec checks its own fields. Imports nothing heavy: the config reads it
+before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from flexmarl.errors import ConfigError
+from flexmarl.validate import (config_of, fail, in_range, number, one_of, read_section,
+                               whole_number)
+
+BACKENDS = ('embedded', 'vllm')
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """An agent's sampling (config `agents.NAME.sampling`)."""
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_new_tokens: int = 4
+
+  @classmethod
+  def from_config(cls, field: str, values: Mapping[str, Any] | None) -> SamplingParams:
+    s = read_section(cls, field, values)
+    if not number(f'{field}.temperature', s.temperature) > 0:
+      fail(f'{field}.temperature', s.temperature, 'must be > 0.')
+    if not 0 < number(f'{field}.top_p', s.top_p) <= 1:
+      fail(f'{field}.top_p', s.top_p, 'must be in (0, 1].')
+    whole_number(f'{field}.max_new_tokens', s.max_new_tokens, 1)
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMEngineConfig:
+  """Engine arguments (config: `rollout.vllm.*`)."""
+
+  dtype: str = 'float32'
+  max_model_len: int = 512
+  gpu_memory_utilization: float = 0.5
+  # 0: vLLM's default (GPU: the memory fraction; CPU: VLLM_CPU_KVCACHE_SPACE)
+  kv_cache_bytes: int = 0
+  enforce_eager: bool = True
+  max_num_seqs: int = 256
+  max_restarts: int = 2  # per batch, after which its Future carries the error
+
+
+def engine_config(**kwargs: Any) -> VLLMEngineConfig:
+  """A VLLMEngineConfig from config fields, with the field named on a typo."""
+  names = {f.name for f in dataclasses.fields(VLLMEngineConfig)}
+  unknown = sorted(set(kwargs) - names)
+  if unknown:
+    raise ValueError(f'config.rollout.vllm has unknown fields {unknown}; known: {sorted(names)}.')
+  return VLLMEngineConfig(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """How the rollout tier serves queries (config section `rollout`).
+
+  - backend: 'embedded' (the JAX sampler) or 'vllm' (a vLLM engine per instance, weights
+    synced in place after every update; needs the vllm extra, requirements-vllm.txt),
+    with engine arguments in `vllm` (see VLLMEngineConfig; only the fields given).
+  - devices: 'separate' gives every rollout instance devices of its own (the paper's
+    separate rollout and training pools: generation never queues behind gradient
+    work); 'shared' runs an agent's instances on its training devices. On too few
+    devices for 'separate', placement may fit the team with 'shared' instead (see
+    `config.placement` in flexmarl.placement.fit).
+  - query_concurrency: the queries in flight at once; a finished query's slot is
+    refilled at once.
+  - max_step_queries: the most queries one step may consume (a step ends earlier, as
+    soon as every agent's batch is full).
+  - max_batch: rows per generate call of one instance; requests that arrive while it
+    is busy join its next batch.
+  - balance: move idle instances from cold agents to hot ones when their load per
+    instance differs by more than `balance_threshold`× (the paper's Δ = 5), at most
+    once per `balance_cooldown_s`.
+  - sticky_conversations: keep a query's turns on one instance (for prefix caches).
+  - query_timeout_s: a query running longer is an error naming it (0: no limit).
+  """
+
+  backend: str = 'embedded'
+  devices: str = 'shared'
+  query_concurrency: int = 8
+  max_step_queries: int = 256
+  max_batch: int = 256
+  balance: bool = True
+  balance_threshold: float = 5.0
+  balance_cooldown_s: float = 0.5
+  sticky_conversations: bool = False
+  query_timeout_s: float = 0.0
+  vllm: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_config(cls, values: Mapping[str, Any] | None, field: str = 'rollout'
+                  ) -> RolloutSpec:
+    """The checked spec; with backend='vllm', vLLM is imported here, so that a broken
+    install is refused with the config."""
+    r = read_section(cls, field, values)
+    one_of(f'{field}.backend', r.backend, BACKENDS)
+    if r.backend == 'vllm':
+      from flexmarl.rollout import vllm_check
+      try:
+        vllm_check.import_vllm()
+      except vllm_check.VLLMInstallError as e:
+        fail(f'{field}.backend', 'vllm', str(e))
+      try:
+        engine_config(**r.vllm)
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f'config.{field}.vllm: {e}') from None
+    for key in ('query_concurrency', 'max_step_queries', 'max_batch'):
+      whole_number(f'{field}.{key}', getattr(r, key), 1)
+    in_range(f'{field}.balance_threshold', r.balance_threshold, 1, float('inf'),
+             'must be >= 1 (a load ratio; the paper uses 5).')
+    for key in ('balance_cooldown_s', 'query_timeout_s'):
+      in_range(f'{field}.{key}', getattr(r, key), 0, float('inf'), 'must be >= 0 seconds.')
+    return r
+
+
+def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
+  """Default rollout config (the fields of `RolloutSpec`); experiment files start from
+  it and override fields."""
+  return config_of(RolloutSpec, **overrides)

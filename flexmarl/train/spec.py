@@ -1,0 +1,133 @@
+"""The training tier's specs: an agent's optimizer (`OptimizerConfig`) and GRPO loss
+(`GRPOConfig`), and the training pool (`TrainingSpec`, config section `training`).
+Each field and its default are written once, here; each spec checks its own fields.
+Imports nothing heavy: the config reads it before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from flexmarl.validate import (DERIVED, config_of, fail, in_range, number, one_of,
+                               read_section, whole_number)
+
+LOSS_NORMS = ('token', 'constant')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with global-norm clipping (config `agents.NAME.optimizer`)."""
+
+  learning_rate: float = 3e-3
+  b1: float = 0.9
+  b2: float = 0.99
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  decay_steps: int = 0  # cosine decay of the learning rate over this many updates (0: constant)
+  final_lr_fraction: float = 0.1
+
+  @classmethod
+  def from_config(cls, field: str, values: Mapping[str, Any] | None) -> OptimizerConfig:
+    o = read_section(cls, field, values)
+    for key in ('learning_rate', 'max_grad_norm'):
+      if not number(f'{field}.{key}', getattr(o, key)) > 0:
+        fail(f'{field}.{key}', getattr(o, key), 'must be > 0.')
+    for key in ('b1', 'b2'):
+      in_range(f'{field}.{key}', getattr(o, key), 0.0, 0.999999, 'must be in [0, 1).')
+    in_range(f'{field}.weight_decay', o.weight_decay, 0.0, math.inf)
+    in_range(f'{field}.final_lr_fraction', o.final_lr_fraction, 0.0, 1.0)
+    whole_number(f'{field}.decay_steps', o.decay_steps, 0)
+    return o
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """The GRPO loss (config `agents.NAME.grpo`; see flexmarl.train.grpo)."""
+
+  clip_eps: float = 0.2
+  clip_eps_low: float | None = None  # ratio >= 1 - clip_eps_low (None: clip_eps) ...
+  clip_eps_high: float | None = None  # ... and <= 1 + clip_eps_high (DAPO: 0.28).
+  kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds k3 KL.
+  entropy_coef: float = 0.0  # bonus at version 0, annealed linearly ...
+  entropy_decay_steps: int = 0  # ... to 0 over this many updates (0: constant).
+  normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
+  loss_norm: str = 'token'  # 'token': / tokens of the global batch; 'constant': Dr. GRPO.
+  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal.
+  # From the agent's sampling section:
+  temperature: float = dataclasses.field(default=1.0, metadata=DERIVED)  # of the logprobs
+  max_new_tokens: int = dataclasses.field(default=0, metadata=DERIVED)  # 'constant' normaliser
+
+  @property
+  def clip_range(self) -> tuple[float, float]:
+    """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+    low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+    high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+    return low, high
+
+  @classmethod
+  def from_config(cls, field: str, values: Mapping[str, Any] | None, temperature: float,
+                  max_new_tokens: int) -> GRPOConfig:
+    g = read_section(cls, field, values, temperature=temperature,
+                     max_new_tokens=max_new_tokens)
+    for key in ('clip_eps', 'clip_eps_low', 'clip_eps_high'):
+      if getattr(g, key) is not None:
+        in_range(f'{field}.{key}', getattr(g, key), 0.0, math.inf, 'must be >= 0 (0.2 is '
+                 'usual; DAPO uses clip_eps_high=0.28).')
+    if g.clip_eps_low is not None and g.clip_eps_low >= 1:
+      fail(f'{field}.clip_eps_low', g.clip_eps_low, 'must be < 1 (the ratio stays > 0).')
+    for key in ('kl_coef', 'entropy_coef'):
+      in_range(f'{field}.{key}', getattr(g, key), 0.0, math.inf, 'must be >= 0.')
+    whole_number(f'{field}.entropy_decay_steps', g.entropy_decay_steps, 0)
+    one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
+    return g
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+  """The training pool (config section `training`, optional).
+
+  - pool_devices: 0 gives every agent a mesh of its own (`agents.X.mesh_shape`, on
+    devices of its own). N > 0 carves the first N free devices into meshes that the
+    agents share, taking turns: an agent is bound to a free mesh of its shape while it
+    has a micro-batch or an optimizer step to run, and its state waits in host memory
+    (or storage) in between. With 0 and too few devices for a mesh per agent,
+    placement may fit a pool over every device (`config.placement`: 'fit', the
+    default; 'strict' refuses instead).
+  - mesh_shapes: the pool's meshes, e.g. [(2,), (2,)]; () derives one mesh per distinct
+    agent shape, then more round-robin while devices remain.
+  - host_budget_gb: host memory for swapped-out states; the least recently used go to
+    storage beyond it (0: unlimited).
+  - storage_dir: where states swapped to storage go ('': WORKDIR/swap).
+  """
+
+  pool_devices: int = 0
+  mesh_shapes: tuple[tuple[int, ...], ...] = ()
+  host_budget_gb: float = 0.0
+  storage_dir: str = ''
+
+  @property
+  def host_budget_bytes(self) -> int:
+    return int(self.host_budget_gb * 1e9)
+
+  @classmethod
+  def from_config(cls, values: Mapping[str, Any] | None, field: str = 'training'
+                  ) -> TrainingSpec:
+    """The checked spec; whether each agent's mesh and state fit the pool is checked
+    with the agents (flexmarl.train.sizing)."""
+    t = read_section(cls, field, values)
+    whole_number(f'{field}.pool_devices', t.pool_devices, 0, '0: every agent on its own mesh')
+    in_range(f'{field}.host_budget_gb', t.host_budget_gb, 0.0, math.inf,
+             'must be >= 0 (0: unlimited).')
+    if not t.pool_devices and (t.mesh_shapes or t.host_budget_gb):
+      fail(f'{field}.pool_devices', t.pool_devices, 'mesh_shapes and host_budget_gb need a '
+           'training pool: give it devices, or leave them unset.')
+    return dataclasses.replace(t, mesh_shapes=tuple(tuple(s) for s in t.mesh_shapes))
+
+
+def training_config(**overrides: Any) -> ml_collections.ConfigDict:
+  """Default training-pool config (the fields of `TrainingSpec`)."""
+  return config_of(TrainingSpec, **overrides)
