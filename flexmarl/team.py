@@ -262,7 +262,8 @@ def build_team(spec: TeamSpec, placement: Placement,
         trainers, [(f'pool{i}', [by_id[d] for d in m.devices], m.shape)
                    for i, m in enumerate(placement.pool)],
         spec.training.host_budget_bytes,
-        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder)
+        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder,
+        clock=recorder.clock)
   agents = {}
   for name, a in spec.agents.items():
     train, trainer = placement.train[name], trainers[name]
