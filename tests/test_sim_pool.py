@@ -13,6 +13,7 @@ import ml_collections
 import pytest
 
 from flexmarl.clock import SimClock
+from flexmarl.errors import ConfigError
 from flexmarl.metrics.writer import TEAM
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.sim.devices import DeviceGroup
@@ -128,6 +129,13 @@ def test_host_budget_sends_the_least_recently_used_state_to_storage():
   assert lines[0]['a']['swap_s'] == pytest.approx(2 * S + W)
   [evicted] = [s for s in agents['a'].engine.log if s['target'] == 'storage']
   assert evicted['agent'] == 'a' and evicted['source'] == 'host'
+
+
+def test_host_budget_without_storage_is_refused():
+  setup = _setup(host_budget=int(1.5e9))
+  setup.links.storage_bytes_per_s = 0.0
+  with pytest.raises(ConfigError, match='links.storage_bytes_per_s=0.0'):
+    _run(setup, 'sync')
 
 
 def _pool(clock, meshes, storage_bytes_per_s=0.0):

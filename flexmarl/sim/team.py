@@ -54,11 +54,11 @@ from flexmarl import placement as placement_lib
 from flexmarl.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
 from flexmarl.errors import ConfigError
+from flexmarl.models import sharding
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
-from flexmarl.models import sharding
 from flexmarl.sim.devices import CompileCache, DeviceGroup
 from flexmarl.sim.instances import SimSampler
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
@@ -276,7 +276,7 @@ def build_pool_engine(placement: placement_lib.Placement, setup: ml_collections.
                       groups: dict[str, DeviceGroup], recorder=None) -> TrainingEngine:
   """The real training engine over the simulated pool: each mesh its compute group
   ('train/MESH') and its host link ('link/MESH', the host bandwidth of a device times
-  the mesh's devices)."""
+  the mesh's devices). Storage paths only name where a state went: nothing is written."""
   host = host_link(setup)
   meshes = {m.name: SimMesh(groups[f'train/{m.name}'],
                             Link(DeviceGroup(clock, f'link/{m.name}', recorder=recorder),
