@@ -149,7 +149,8 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
         trainers, [(f'pool{i}', [by_id[d] for d in m.devices], m.shape)
                    for i, m in enumerate(meshes)],
         spec.training.host_budget_bytes,
-        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder)
+        spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder,
+        clock=recorder.clock)
 
   return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
                    training_pool, lambda name: Timeline(recorder, f'train:{name}'))

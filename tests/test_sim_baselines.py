@@ -45,27 +45,26 @@ def _pool():
 
 
 def test_more_agents_than_meshes_swap_in_turn():
-  # sync: rollout 6. a binds: swap in on the link [6, 7], a's update [7, 9.9].
-  # b binds: swap in [9.9, 10.9] (the link is free, a's work is done), then a's state
-  # leaves [10.9, 11.9] while b's update runs [10.9, 17.8]   ->   17.8
+  # sync: rollout 6. a binds: swap in [6, 7] (the engine waits for it), a's update
+  # [7, 9.9]. b binds: a's state leaves once its work is done [9.9, 10.9], then b's
+  # comes in [10.9, 11.9]; b's update [11.9, 18.8]   ->   18.8
   r = simulate(_pool(), 'sync')
-  assert r.step_times == [pytest.approx(17.8)]
+  assert r.step_times == [pytest.approx(18.8)]
 
 
-def test_pipelined_pool_prefetches_and_swaps_per_micro_batch():
+def test_pipelined_pool_swaps_per_micro_batch_and_holds_up_the_rollout():
   # flexmarl, one mesh. Query 0 ends at 3 with a group for each agent:
   #   a: swap in [3, 4], micro-batch [4, 5.2]
-  #   b: swap in [4, 5] (the link is busy until 4) while a computes; a leaves [5.2, 6.2];
-  #      b's micro-batch [5.2, 8.4]
-  # Query 1 ends at 6:
-  #   a: swap in [6.2, 7.2]; b leaves after its work [8.4, 9.4]; a's micro-batch and
-  #      optimizer step [8.4, 10.1]
-  #   b: swap in [9.4, 10.4]; a leaves [10.4, 11.4]; b's micro-batch and step
-  #      [10.4, 14.1]   ->   14.1
+  #   b: a leaves once its micro-batch is done [5.2, 6.2], b in [6.2, 7.2]; b's
+  #      micro-batch [7.2, 10.4]. The engine held the rollout: query 1 starts at 7.2,
+  #      ends at 10.2 (a [7.2, 8.2], b [8.2, 10.2]).
+  #   a: b leaves [10.4, 11.4], a in [11.4, 12.4]; a's micro-batch and step [12.4, 14.1]
+  #   b: a leaves [14.1, 15.1], b in [15.1, 16.1]; b's micro-batch and step
+  #      [16.1, 19.8]   ->   19.8
   r = simulate(_pool(), 'flexmarl')
-  assert r.step_times == [pytest.approx(14.1)]
-  # Busy on the mesh: 2.9 + 6.9 s of training over the 14.1 s step.
-  assert r.utilization['train'] == pytest.approx(9.8 / 14.1)
+  assert r.step_times == [pytest.approx(19.8)]
+  # Busy on the mesh: 2.9 + 6.9 s of training over the 19.8 s step.
+  assert r.utilization['train'] == pytest.approx(9.8 / 19.8)
 
 
 def test_first_calls_compile_and_warm_up_steps_are_left_out():
@@ -81,33 +80,3 @@ def test_first_calls_compile_and_warm_up_steps_are_left_out():
   setup.warmup_steps = 2
   with pytest.raises(ValueError, match='warmup_steps=2'):
     simulate(setup, 'sync')
-
-
-def test_pool_sends_least_recently_used_states_to_storage():
-  # One mesh, three agents taking turns (a, b, c, a), each piece of work 1 s; a state is
-  # 1 GB, the host link moves 1 GB/s, storage 0.5 GB/s, host memory holds one state.
-  # Every state starts on the host.
-  # a: in [0, 1], works [1, 2].
-  # b: in [1, 2], works [2, 3]; a out [2, 3]: a and c (never used) on the host exceed the
-  #    budget, the least recently used (c) goes to storage.
-  # c: in from storage [3, 5], works [5, 6]; b out [5, 6]: a to storage.
-  # a: in from storage [6, 8], works [8, 9]; c out [8, 9]: b (not c, newer) to storage.
-  import types
-  from flexmarl.clock import SimClock
-  from flexmarl.sim.devices import DeviceGroup
-  from flexmarl.sim.pool import HOST, STORAGE, SimTrainingPool
-  clock = SimClock()
-  mesh = DeviceGroup(clock, 'train/pool0')
-  trainers = {n: types.SimpleNamespace(group=None) for n in 'abc'}
-  pool = SimTrainingPool(clock, trainers, [mesh], dict.fromkeys('abc', int(1e9)), 1e9, 0.5e9,
-                         host_budget=int(1.5e9))
-  ends = []
-  for name in 'abca':
-    pool.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
-    pool.run()
-  assert ends == [2.0, 3.0, 6.0, 9.0]
-  assert pool.where == {'a': 'train/pool0', 'b': STORAGE, 'c': HOST}
-  assert pool.links['train/pool0'].busy_until == 9.0
-  stats = pool.step_stats('a')
-  assert stats['swaps'] == 3 and stats['swap_s'] == pytest.approx(1 + 1 + 2)
-  assert stats['meshes'] == 'train/pool0'

@@ -8,8 +8,10 @@ Placements of a setup:
   devices between the agents, each instance `rollout_tp` devices; the training pool
   (`cluster.train_nodes`) gives each agent a mesh of `train_devices` of its own, or,
   with `training_meshes` = k > 0, k meshes of `train_devices` that the agents take
-  turns on (`sim.pool`: the real allocator's decisions, swaps charged at the links'
-  bandwidths).
+  turns on: the real `train.engine.TrainingEngine` binds them (`allocate`, `evict_lru`,
+  prefetching), the simulated trainers charge the swaps at the links' bandwidths
+  (`sim.trainer`), and `host_budget_bytes` (setup, default 0: unlimited) bounds the
+  host memory for released states.
 - colocated (hybrid engines such as MARTI's): the whole cluster is split evenly between
   the agents; an agent's instances and its trainer share its devices. Its trainer
   spans all of them; before training it offloads the instances' weights and loads its
@@ -53,15 +55,16 @@ from flexmarl.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
 from flexmarl.errors import ConfigError
 from flexmarl.build import Factories
+from flexmarl.models import sharding
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.devices import CompileCache, DeviceGroup
 from flexmarl.sim.instances import SimSampler
-from flexmarl.sim.pool import SimTrainingPool
-from flexmarl.sim.trainer import SimTrainer
+from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
 from flexmarl.tokenizer import TextTokenizer
+from flexmarl.train.engine import PoolMesh, TrainingEngine
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')
@@ -245,11 +248,45 @@ class NoCheckpoints:
     pass
 
 
+def pool_meshes(placement: placement_lib.Placement) -> list[PoolMesh]:
+  """The training pool's meshes, named as the real run names them."""
+  return [PoolMesh(f'pool{i}', m.devices, m.shape) for i, m in enumerate(placement.pool)]
+
+
 def train_tracks(placement: placement_lib.Placement) -> list[str]:
   """The span tracks of the training device groups: one per pool mesh, or per agent."""
   if placement.pool:
-    return [f'train/pool{i}' for i in range(len(placement.pool))]
+    return [f'train/{m.name}' for m in pool_meshes(placement)]
   return [f'train/{name}' for name in placement.train]
+
+
+def storage_link(setup: ml_collections.ConfigDict, clock: SimClock, recorder=None
+                 ) -> Link | None:
+  """The link that writes released states to storage (track 'link/storage'), or None
+  when the setup gives no storage bandwidth; then nothing may go to storage."""
+  rate = setup.get('links', {}).get('storage_bytes_per_s', 0.0)
+  if setup.get('host_budget_bytes') and not rate > 0:
+    raise ConfigError(f'config.host_budget_bytes={setup.host_budget_bytes} sends states to '
+                      f'storage, but config.links.storage_bytes_per_s={rate}; give it > 0 '
+                      '(bytes/s), or drop the host budget.')
+  return Link(DeviceGroup(clock, 'link/storage', recorder=recorder), rate) if rate > 0 else None
+
+
+def build_pool_engine(placement: placement_lib.Placement, setup: ml_collections.ConfigDict,
+                      clock: SimClock, trainers: dict[str, SimTrainer],
+                      groups: dict[str, DeviceGroup], recorder=None) -> TrainingEngine:
+  """The real training engine over the simulated pool: each mesh its compute group
+  ('train/MESH') and its host link ('link/MESH', the host bandwidth of a device times
+  the mesh's devices). Storage paths only name where a state went: nothing is written."""
+  host = host_link(setup)
+  meshes = {m.name: SimMesh(groups[f'train/{m.name}'],
+                            Link(DeviceGroup(clock, f'link/{m.name}', recorder=recorder),
+                                 len(m.devices) * host))
+            for m in pool_meshes(placement)}
+  return TrainingEngine(trainers, pool_meshes(placement),
+                        int(setup.get('host_budget_bytes', 0)), storage_dir='storage',
+                        recorder=recorder, clock=clock,
+                        make_mesh=lambda mesh, layout: meshes[mesh.name])
 
 
 def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimClock,
@@ -270,6 +307,7 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
   rollout_compiled = CompileCache(compile_s.get('rollout', 0.0))
   host = host_link(setup)
   groups = {t: DeviceGroup(clock, t, cores, recorder) for t in train_tracks(placement)}
+  storage = storage_link(setup, clock, recorder) if placement.pool else None
   served: set[tuple[int, ...]] = set()  # devices that have held an instance
 
   def agent_rates(name: str) -> tuple[AgentCosts, float, float, float, int]:
@@ -294,9 +332,13 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
     s = setup.agents[name]
     c, load_s, offload_s, _, devices = agent_rates(name)
     group = groups[f'train/{name}'] if mesh is not None else None
+    state = s.get('state_bytes') or (costs.train_state_bytes(specs.model(s.model))
+                                     if placement.pool else 0)
     return SimTrainer(name, clock, c.train_token_s, c.optimizer_s, group=group,
                       micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
-                      offload_s=offload_s, compile=(train_compiled, (s.get('model'), devices)))
+                      offload_s=offload_s, compile=(train_compiled, (s.get('model'), devices)),
+                      layout=sharding.layout(placement.train[name].shape),
+                      state_bytes=state, storage=storage)
 
   def sampler(name, a, trainer):
     s = setup.agents[name]
@@ -315,12 +357,7 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
       return sampler
     return make
 
-  def training_pool(trainers, meshes) -> SimTrainingPool:
-    state = {n: setup.agents[n].get('state_bytes')
-             or costs.train_state_bytes(specs.model(setup.agents[n].model)) for n in trainers}
-    links = setup.get('links', {})
-    return SimTrainingPool(clock, trainers, list(groups.values()), state,
-                           meshes[0].shape[-1] * host, links.get('storage_bytes_per_s', 0.0),
-                           int(setup.get('host_budget_bytes', 0)))
+  def training_pool(trainers, meshes) -> TrainingEngine:
+    return build_pool_engine(placement, setup, clock, trainers, groups, recorder)
 
   return Factories(trainer, sampler, lambda name: NoCheckpoints(), training_pool)

@@ -8,22 +8,63 @@ the caller); waiting for a step's result advances the clock to the step's end, a
 real `device_get` blocks until the devices are done.
 
 A trainer has a group of its own, or is moved between the meshes of a simulated
-training pool (`sim.pool`, which charges the swaps). A colocated trainer (rollout and
-training on the same devices, as hybrid engines do) loads its train state onto the
-devices before the first micro-batch of an update (`load_s`) and offloads it after the
-optimizer step (`offload_s`), so the rollout gets the memory back.
+training pool by the real `train.engine.TrainingEngine`, as a `PoolTrainer`: `bind`,
+`release` and `prefetch` copy its state (`state_bytes`) over a link, one copy at a time
+per link, at the link's bandwidth: a mesh's link to host memory (the host bandwidth of
+a device times the mesh's devices) for copies between the mesh and host memory, at the
+storage bandwidth for reads from storage, and the storage link for writes of host
+states to storage. Like the real copies, `bind` and `release` return (advance the
+clock) once the state is there, and a release starts only after the work dispatched on
+the mesh is done (the state is its result); `prefetch` only reserves the link, so the
+copy overlaps the resident agent's compute. Memory for two states on a mesh at once is
+assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
+
+A colocated trainer (rollout and training on the same devices, as hybrid engines do)
+loads its train state onto the devices before the first micro-batch of an update
+(`load_s`) and offloads it after the optimizer step (`offload_s`), so the rollout gets
+the memory back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import numpy as np
 
 from flexmarl.clock import SimClock
 from flexmarl.metrics import spans
+from flexmarl.models import sharding
+from flexmarl.sim.costs import transfer_time
 from flexmarl.sim.devices import COMPILE, CompileCache, DeviceGroup
+from flexmarl.train.state import InStorage, OnHost, OnMesh, Placement, Transfer, kind
 from flexmarl.train.trainer import TrainBatch
+
+
+class Link(NamedTuple):
+  """A copy path: the group that carries its copies (one at a time) and its bandwidth."""
+
+  group: DeviceGroup
+  bytes_per_s: float
+
+
+class SimMesh(NamedTuple):
+  """A mesh of the simulated training pool: the devices that compute and their link to
+  host memory (what `TrainingEngine`'s `make_mesh` gives a simulated trainer)."""
+
+  compute: DeviceGroup
+  host: Link
+
+
+@dataclasses.dataclass(frozen=True)
+class SimState:
+  """What the engine reads of a state: its bytes and where it is (an `OnMesh` holds the
+  `SimMesh` in place of a jax Mesh)."""
+
+  nbytes: int
+  placement: Placement
 
 
 class SimTrainer:
@@ -38,6 +79,9 @@ class SimTrainer:
   group: the device group it runs on (`DeviceGroup`); None in a pool, which binds it.
   load_s / offload_s: a colocated trainer's phase changes (see the module doc); 0: none.
   compile: the team's `CompileCache` and this trainer's key in it (model and mesh shape).
+  layout: the mesh shape it trains on (a pool binds it to meshes of that shape).
+  state_bytes: its train state, what a swap copies; storage: the link that writes host
+  states to storage (its bandwidth also that of reads from storage), None: no storage.
   """
 
   batch_multiple = 1
@@ -45,7 +89,9 @@ class SimTrainer:
   def __init__(self, name: str, clock: SimClock, token_s: float, optimizer_s: float, *,
                group: DeviceGroup | None, micro_batch_s: float = 0.0, padded: bool = False,
                load_s: float = 0.0, offload_s: float = 0.0,
-               compile: tuple[CompileCache, Hashable] | None = None):
+               compile: tuple[CompileCache, Hashable] | None = None,
+               layout: sharding.MeshLayout = sharding.MeshLayout((1, 1), ('data', 'model')),
+               state_bytes: int = 0, storage: Link | None = None):
     if min(token_s, optimizer_s, micro_batch_s, load_s, offload_s) < 0:
       raise ValueError(f'SimTrainer {name!r}: token_s={token_s}, optimizer_s={optimizer_s}, '
                        f'micro_batch_s={micro_batch_s}, load_s={load_s}, offload_s={offload_s};'
@@ -53,13 +99,94 @@ class SimTrainer:
     self.name, self.clock, self.group = name, clock, group
     self.token_s, self.optimizer_s, self.micro_batch_s = token_s, optimizer_s, micro_batch_s
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
+    self.layout, self.state_bytes, self.storage = layout, state_bytes, storage
+    self.mesh: SimMesh | None = None  # the pool mesh it is bound to
+    self._placement: Placement = OnHost() if group is None else OnMesh(group, {})
+    self._incoming: tuple[SimMesh, Placement, float, float] | None = None  # a prefetch
     self.params = {'version': np.zeros((), np.int32)}  # placeholder: no weights are simulated
     self._update = 0  # the agent's updates before the one being accumulated
     self._tokens = 0  # tokens accumulated since the last optimizer step
     self._micro_batches = 0
 
+  @property
+  def state(self) -> SimState:
+    return SimState(self.state_bytes, self._placement)
+
   def _run(self, name: str, seconds: float, **args) -> float:
+    if self.group is None:
+      raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
+                         f'{kind(self._placement)}): the engine binds it before its work.')
     return self.group.run(name, seconds, agent=self.name, version=self._update, **args)
+
+  # -- where the state lives (the engine's PoolTrainer) ---------------------------------
+
+  def _copy(self, link: Link, name: str, bytes_per_s: float, target: Placement,
+            earliest: float = 0.0) -> tuple[float, float]:
+    """Reserve `link` for a copy of the state to `target`; (end time, seconds)."""
+    seconds = transfer_time(self.state_bytes, bytes_per_s)
+    end = link.group.run(name, seconds, earliest, agent=self.name, bytes=self.state_bytes,
+                         source=kind(self._placement), target=kind(target))
+    return end, seconds
+
+  def _storage(self) -> Link:
+    if self.storage is None:
+      raise RuntimeError(f'agent {self.name!r}: a copy to or from storage, but the setup '
+                         'gives no storage link: set links.storage_bytes_per_s > 0.')
+    return self.storage
+
+  def _copy_in(self, mesh: SimMesh) -> tuple[float, float]:
+    """Reserve the mesh's link for the state's copy onto it, from host or storage."""
+    rate = (self._storage().bytes_per_s if isinstance(self._placement, InStorage)
+            else mesh.host.bytes_per_s)
+    return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}))
+
+  def _wait(self, end: float) -> None:
+    if self.clock.now() < end:
+      self.clock.advance_to(end)
+
+  def prefetch(self, mesh: SimMesh, executor: concurrent.futures.Executor | None = None
+               ) -> None:
+    """Start copying the state onto `mesh` (the link is reserved from now; no wait); the
+    next `bind(mesh)` takes it."""
+    del executor  # a simulated copy needs no thread
+    end, seconds = self._copy_in(mesh)
+    self._incoming = (mesh, self._placement, end, seconds)
+
+  def bind(self, mesh: SimMesh) -> Transfer:
+    """Copy the state onto `mesh` (or take the prefetched copy) and wait until it is
+    there; a no-op when it is bound there already."""
+    if self.mesh is mesh:
+      return Transfer('mesh', 'mesh', 0, 0.0)
+    if self.mesh is not None:
+      raise RuntimeError(f'agent {self.name!r} is bound to another mesh; release it first.')
+    incoming, self._incoming = self._incoming, None
+    if incoming is not None and incoming[0] is mesh and incoming[1] == self._placement:
+      end, seconds = incoming[2:]
+    else:
+      end, seconds = self._copy_in(mesh)
+    self._wait(end)
+    source = kind(self._placement)
+    self.mesh, self.group, self._placement = mesh, mesh.compute, OnMesh(mesh, {})
+    return Transfer(source, 'mesh', self.state_bytes, seconds)
+
+  def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
+    """Copy the state off its mesh (once the work dispatched there is done) or from
+    host memory to storage, and wait until it is there."""
+    source = self._placement
+    if source == to:
+      return Transfer(kind(source), kind(to), 0, 0.0)
+    if self.mesh is not None:
+      rate = (self.mesh.host.bytes_per_s if isinstance(to, OnHost)
+              else self._storage().bytes_per_s)
+      end, seconds = self._copy(self.mesh.host, spans.SWAP_OUT, rate, to,
+                                earliest=self.mesh.compute.busy_until)
+    else:
+      storage = self._storage()
+      end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to)
+    self._wait(end)
+    self.mesh = self.group = None
+    self._placement = to
+    return Transfer(kind(source), kind(to), self.state_bytes, seconds)
 
   def accumulate(self, batch: TrainBatch, update: int = 0) -> None:
     """Queue one micro-batch's forward/backward over its real tokens (its padded token

@@ -10,6 +10,12 @@ then released to host memory, and from there to storage, least recently used fir
 when `host_budget` bytes would be exceeded (`train.allocator.evict_lru`). While one
 agent computes, the next waiting one's state is prefetched onto the mesh it will get.
 
+The engine moves nothing itself: it calls the `PoolTrainer` it binds (`bind`,
+`release`, `prefetch`) on meshes that `make_mesh` builds from the pool's devices, and
+reads time only through its `Clock`. So one engine serves a real run (`AgentTrainer`s,
+jax meshes, the wall clock) and the cluster simulator (simulated trainers, device
+groups, simulated time).
+
 Bindings, swaps and their costs are recorded per agent (`step_stats`) and as spans on
 `recorder` (a `metrics.spans.SpanRecorder`; None records none).
 """
@@ -20,30 +26,84 @@ import collections
 import concurrent.futures
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
-import jax
-from jax.sharding import Mesh
-
+from flexmarl.clock import Clock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
-from flexmarl.train.state import InStorage, OnHost, Transfer
-from flexmarl.train.trainer import AgentTrainer
+from flexmarl.train.state import InStorage, OnHost, Placement, Transfer
 
-PoolMesh = tuple[str, Sequence[jax.Device], tuple[int, ...]]  # name, devices, shape
+
+class PoolMesh(NamedTuple):
+  """One mesh of the training pool: its name, devices (jax devices, or ids in a
+  simulation) and shape."""
+
+  name: str
+  devices: Sequence[Any]
+  shape: tuple[int, ...]
+
+
+class StateInfo(Protocol):
+  """What the engine reads of a trainer's state: its size and where it lives."""
+
+  @property
+  def nbytes(self) -> int:
+    ...
+
+  @property
+  def placement(self) -> Placement:
+    ...
+
+
+class PoolTrainer(Protocol):
+  """What the engine moves: one agent's trainer (`train.trainer.AgentTrainer`,
+  `sim.trainer.SimTrainer`). `bind` and `release` return once the state is there (as
+  the real copies block); `prefetch` only starts the copy."""
+
+  @property
+  def layout(self) -> sharding.MeshLayout:
+    ...
+
+  @property
+  def state(self) -> StateInfo:
+    ...
+
+  def bind(self, mesh: Any) -> Transfer:
+    ...
+
+  def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
+    ...
+
+  def prefetch(self, mesh: Any, executor: concurrent.futures.Executor) -> None:
+    ...
+
+
+# Builds the mesh object a trainer binds to, from a pool mesh and the trainer's layout.
+MakeMesh = Callable[[PoolMesh, sharding.MeshLayout], Any]
+
+
+def jax_mesh(mesh: PoolMesh, layout: sharding.MeshLayout):
+  """A jax Mesh over the pool mesh's devices with `layout`'s axis names (agents of one
+  shape may name their axes differently; the devices are the same)."""
+  return sharding.make_mesh(mesh.devices, mesh.shape, layout.axes)
 
 
 class TrainingEngine:
 
-  def __init__(self, trainers: Mapping[str, AgentTrainer], meshes: Sequence[PoolMesh],
-               host_budget: int = 0, storage_dir: str = '', recorder=None):
-    """`host_budget`: bytes of host memory for released states (0: unlimited);
-    beyond it states go to `storage_dir/AGENT`."""
+  def __init__(self, trainers: Mapping[str, PoolTrainer], meshes: Sequence[PoolMesh],
+               host_budget: int = 0, storage_dir: str = '', recorder=None, *,
+               clock: Clock, make_mesh: MakeMesh = jax_mesh):
+    """`meshes`: PoolMesh (or plain (name, devices, shape)) tuples. `host_budget`:
+    bytes of host memory for released states (0: unlimited); beyond it states go to
+    `storage_dir/AGENT`. `clock`: the run's, which times the swaps."""
     self.trainers = dict(trainers)
-    self.meshes = {name: (tuple(devices), tuple(shape)) for name, devices, shape in meshes}
+    self.meshes = {m.name: m for m in (PoolMesh(name, tuple(devices), tuple(shape))
+                                       for name, devices, shape in meshes)}
     self.host_budget, self.storage_dir, self.recorder = host_budget, storage_dir, recorder
+    self.clock = clock
+    self._make_mesh = make_mesh
     self.bound: dict[str, str | None] = {m: None for m in self.meshes}  # mesh -> agent
     self.where: dict[str, str | None] = {a: None for a in self.trainers}  # agent -> mesh
     self.queues = {a: collections.deque() for a in self.trainers}
@@ -52,7 +112,7 @@ class TrainingEngine:
     self.log: list[dict] = []  # every swap: agent, mesh, direction, bytes, seconds
     self._stats = {a: self._empty() for a in self.trainers}
     self._tick = 0
-    self._mesh_cache: dict[tuple[str, tuple[str, ...]], Mesh] = {}
+    self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}
     self._lock = threading.RLock()
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='prefetch')
 
@@ -64,13 +124,11 @@ class TrainingEngine:
     self._tick += 1
     return self._tick
 
-  def mesh(self, name: str, layout: sharding.MeshLayout) -> Mesh:
-    """Pool mesh `name` with `layout`'s axis names (agents of one shape may name their
-    axes differently; the devices are the same)."""
-    key = (name, layout.axes)
+  def mesh(self, name: str, layout: sharding.MeshLayout) -> Any:
+    """Pool mesh `name` as a trainer of `layout` binds to it (built once)."""
+    key = (name, layout)
     if key not in self._mesh_cache:
-      devices, shape = self.meshes[name]
-      self._mesh_cache[key] = sharding.make_mesh(devices, shape, layout.axes)
+      self._mesh_cache[key] = self._make_mesh(self.meshes[name], layout)
     return self._mesh_cache[key]
 
   # -- work -----------------------------------------------------------------------------
@@ -94,8 +152,8 @@ class TrainingEngine:
                    for a, q in self.queues.items() if q]
         if not waiting:
           return
-        free = [FreeMesh(m, shape, a, self.last_used[a] if a else 0)
-                for m, (_, shape) in self.meshes.items() for a in [self.bound[m]]]
+        free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
+                for m, mesh in self.meshes.items() for a in [self.bound[m]]]
         bindings = allocate(waiting, free)
         if not bindings:
           shapes = sorted({w.layout for w in waiting})
@@ -124,16 +182,16 @@ class TrainingEngine:
     if resident is not None:
       self._release(resident)
     trainer = self.trainers[agent]
-    start = time.perf_counter()
+    start = self.clock.now()
     transfer = trainer.bind(self.mesh(mesh, trainer.layout))
-    self._record(agent, mesh, spans.SWAP_IN, transfer, time.perf_counter() - start)
+    self._record(agent, mesh, spans.SWAP_IN, transfer, self.clock.now() - start)
     self.bound[mesh], self.where[agent] = agent, mesh
 
   def _release(self, agent: str) -> None:
     mesh, trainer = self.where[agent], self.trainers[agent]
-    start = time.perf_counter()
+    start = self.clock.now()
     transfer = trainer.release(OnHost())
-    self._record(agent, mesh, spans.SWAP_OUT, transfer, time.perf_counter() - start)
+    self._record(agent, mesh, spans.SWAP_OUT, transfer, self.clock.now() - start)
     self.bound[mesh], self.where[agent] = None, None
     if not self.host_budget:
       return
@@ -141,17 +199,17 @@ class TrainingEngine:
                if isinstance(t.state.placement, OnHost)}
     keep = {a for a, q in self.queues.items() if q}
     for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
-      start = time.perf_counter()
+      start = self.clock.now()
       transfer = self.trainers[evicted].release(
           InStorage(os.path.join(self.storage_dir, evicted)))
-      self._record(evicted, 'host', spans.SWAP_OUT, transfer, time.perf_counter() - start)
+      self._record(evicted, 'host', spans.SWAP_OUT, transfer, self.clock.now() - start)
 
   def _prefetch(self, unserved: Sequence[Waiting], bindings: Mapping[str, str]) -> None:
     """Start moving the next waiting agents onto the meshes just taken (one each):
     the copy overlaps with the work those meshes now run."""
     meshes = list(bindings.values())
     for w in unserved:
-      mesh = next((m for m in meshes if self.meshes[m][1] == w.layout), None)
+      mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
       if mesh is None:
         continue
       meshes.remove(mesh)
@@ -173,7 +231,7 @@ class TrainingEngine:
                          target=transfer.target, bytes=transfer.bytes, seconds=transfer.seconds,
                          wait_s=wait_s))
     if self.recorder is not None:
-      end = self.recorder.clock.now()
+      end = self.clock.now()
       self.recorder.add(f'train:{mesh}', name, end - wait_s, end, agent=agent,
                         bytes=transfer.bytes, source=transfer.source, target=transfer.target)
 

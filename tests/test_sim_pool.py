@@ -1,0 +1,195 @@
+"""The real TrainingEngine runs the simulated training pool: more agents than meshes,
+bound by `allocate`, released to host memory and, past the host budget, to storage by
+`evict_lru`, every swap a state's bytes over a link; the step times worked out on paper,
+for every schedule.
+
+The engine blocks its caller as the real copies do: a release waits for the work on the
+mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute."""
+
+import asyncio
+import tempfile
+
+import ml_collections
+import pytest
+
+from flexmarl.clock import SimClock
+from flexmarl.errors import ConfigError
+from flexmarl.metrics.writer import TEAM
+from flexmarl.build import build_orchestrator
+from flexmarl.sim.devices import DeviceGroup
+from flexmarl.sim.team import sim_factories, sim_team_spec
+from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
+from flexmarl.sim.workflow import FILLER, RouterWorkflow
+from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.train.engine import PoolMesh, TrainingEngine
+from flexmarl.train.state import InStorage, OnHost, OnMesh
+from flexmarl.workflows.base import Episode, Query
+
+AGENTS = ('a', 'b', 'c')
+# Every agent answers every query at once, 10 tokens at 0.1 s a decode step: a query
+# takes Q; one at a time, 2 queries fill every batch (group 2, global batch 4, micro-batch
+# 2 = one group). A micro-batch is 2 rows x (2 prompt + 10 response tokens) = 24 tokens.
+Q = 10 * 0.1
+A, B, C = 24 * 0.05, 24 * 0.1, 24 * 0.05  # a micro-batch of each agent
+OPT = 0.5  # an optimizer step
+S = 1e9 / 1e9  # a swap: a 1 GB state over a mesh's host link of 1 GB/s (one device)
+W = 1e9 / 0.5e9  # a state written to storage at 0.5 GB/s
+
+EXPECTED = {
+    # Rollout 2Q. a binds to pool0 (S), trains 2A + OPT; b to the empty pool1 (S), trains
+    # 2B + OPT; c takes pool0 (idle longest): a out (S), c in (S), trains 2C + OPT.
+    # Step 2: each agent takes the mesh idle longest, whose resident leaves first:
+    # a: b out, a in; b: c out, b in; c: a out, c in — six swaps of S.
+    'sync': [2 * Q + 4 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
+             2 * Q + 6 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
+    # Rollout 2Q. a in (S) at 2Q, its work dispatched; b in on pool1 (S) after; c: a out
+    # once a's work is done (2Q + S + 2A + OPT), c in (S), c's work: it ends last.
+    'sync_parallel': [2 * Q + S + (2 * A + OPT) + 2 * S + (2 * C + OPT)],
+    # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on pool1 (S); c:
+    # a out once its micro-batch is done (Q + S + A), c in (S). Only then does the rollout
+    # admit query 1 (the engine blocked it), which ends Q later. Then a: b out, a in; b:
+    # c out, b in; c: a out (its work done by then), c in, c's micro-batch and step.
+    'flexmarl': [Q + S + A + 2 * S + Q + 2 * S + 2 * S + 2 * S + (C + OPT)],
+}
+SWAPS = {'sync': dict(a=2, b=1, c=1), 'sync_parallel': dict(a=2, b=1, c=1),
+         'flexmarl': dict(a=4, b=3, c=3)}  # in the first step
+MESHES = {'sync': 'pool0', 'sync_parallel': 'pool0', 'flexmarl': 'pool0,pool1'}  # a's
+
+
+class EveryAgentAnswers:
+  """Each query is answered by every agent at once (one instance each)."""
+
+  def agent_names(self):
+    return list(AGENTS)
+
+  def make_query(self, rng, query_id):
+    return Query(query_id, FILLER)
+
+  async def run(self, query, agents):
+    episode = Episode()
+    for completions in await asyncio.gather(*(agents[n].generate(query.prompt)
+                                              for n in AGENTS)):
+      RouterWorkflow._score(episode, completions)
+    return episode
+
+
+def _setup(steps: int = 1, host_budget: int = 0) -> ml_collections.ConfigDict:
+  def agent(train_token_s: float) -> dict:
+    return dict(rollout_tp=1, train_devices=1, instances=1, min_instances=1, group_size=2,
+                state_bytes=int(1e9), prompt_tokens=dict(median=1, sigma=0.0, max=1),
+                response_tokens=dict(median=10, sigma=0.0, max=10),
+                rates=dict(decode_step_s=0.1, decode_token_s=0.0, prefill_token_s=0.0,
+                           train_token_s=train_token_s, optimizer_s=OPT, sync_s=0.0))
+  return ml_collections.ConfigDict(dict(
+      seed=0, steps=steps, cluster=dict(nodes=2, devices_per_node=4,
+                                        accelerator='ascend-910c-die', rollout_nodes=1,
+                                        train_nodes=1),
+      training_meshes=2, host_budget_bytes=host_budget,
+      links=dict(host_bytes_per_s_per_device=1e9, storage_bytes_per_s=0.5e9),
+      global_batch=4, micro_batch=2, query_parallelism=1, branch_parallelism=1,
+      balance_threshold=5, workflow=dict(router='a', specialists=['b', 'c'], zipf=1.0),
+      agents=dict(a=agent(0.05), b=agent(0.1), c=agent(0.05))))
+
+
+def _run(setup, schedule):
+  """The metrics lines of each step, and the team."""
+  tokenizer = build_char_tokenizer()
+  spec = sim_team_spec(setup, schedule, False, tokenizer)
+  clock = SimClock()
+  with tempfile.TemporaryDirectory() as workdir:
+    orch = build_orchestrator(spec, EveryAgentAnswers(), tokenizer, workdir, clock=clock,
+                              factories=lambda _: sim_factories(spec, setup, clock, tokenizer))
+    try:
+      lines = [orch.run_step() for _ in range(setup.steps)]
+    finally:
+      orch.close()
+  return lines, orch.agents
+
+
+@pytest.mark.parametrize('schedule', sorted(EXPECTED))
+def test_three_agents_on_two_meshes_step_times_by_hand(schedule):
+  expected = EXPECTED[schedule]
+  lines, _ = _run(_setup(steps=len(expected)), schedule)
+  assert [l[TEAM]['step_time_s'] for l in lines] == pytest.approx(expected, abs=1e-9)
+  assert {n: lines[0][n]['swaps'] for n in AGENTS} == SWAPS[schedule]
+  assert all(lines[0][n]['swap_bytes'] == SWAPS[schedule][n] * 1e9 for n in AGENTS)
+  assert all(lines[0][n]['swap_s'] == pytest.approx(SWAPS[schedule][n] * S) for n in AGENTS)
+  assert lines[0]['a']['meshes'] == MESHES[schedule]
+
+
+def test_host_budget_sends_the_least_recently_used_state_to_storage():
+  # sync, as above, with host memory for one state: when c takes pool0, a (out) and c
+  # (waiting, kept) are on the host; a, the least recently used, is written to storage
+  # (W) before c's copy in.
+  lines, agents = _run(_setup(host_budget=int(1.5e9)), 'sync')
+  assert lines[0][TEAM]['step_time_s'] == pytest.approx(EXPECTED['sync'][0] + W, abs=1e-9)
+  assert isinstance(agents['a'].trainer.state.placement, InStorage)
+  assert lines[0]['a']['swaps'] == 3
+  assert lines[0]['a']['swap_s'] == pytest.approx(2 * S + W)
+  [evicted] = [s for s in agents['a'].engine.log if s['target'] == 'storage']
+  assert evicted['agent'] == 'a' and evicted['source'] == 'host'
+
+
+def test_host_budget_without_storage_is_refused():
+  setup = _setup(host_budget=int(1.5e9))
+  setup.links.storage_bytes_per_s = 0.0
+  with pytest.raises(ConfigError, match='links.storage_bytes_per_s=0.0'):
+    _run(setup, 'sync')
+
+
+def _pool(clock, meshes, storage_bytes_per_s=0.0):
+  """Trainers a, b, c of 1 GB states on `meshes` one-device meshes (links of 1 GB/s)."""
+  sim = {f'pool{i}': SimMesh(DeviceGroup(clock, f'train/pool{i}'),
+                             Link(DeviceGroup(clock, f'link/pool{i}'), 1e9))
+         for i in range(meshes)}
+  storage = (Link(DeviceGroup(clock, 'link/storage'), storage_bytes_per_s)
+             if storage_bytes_per_s else None)
+  trainers = {n: SimTrainer(n, clock, 0.0, 0.0, group=None, state_bytes=int(1e9),
+                            storage=storage) for n in AGENTS}
+  return trainers, [PoolMesh(name, (i,), (1, 1)) for i, name in enumerate(sim)], sim
+
+
+def test_waiting_agent_is_prefetched_while_the_resident_computes():
+  # Work of 2 s for a, b and c at once, two meshes. a in on pool0 [0, 1], b in on pool1
+  # [1, 2] (binds wait for their copies); c, unserved, is prefetched onto pool0 [2, 3];
+  # a and b work [2, 4]. c takes pool0: a out once its work is done [4, 5], c's state
+  # is there already: c works [5, 7] (without the prefetch: c in [5, 6], works [6, 8]).
+  clock = SimClock()
+  trainers, meshes, sim = _pool(clock, 2)
+  engine = TrainingEngine(trainers, meshes, clock=clock,
+                          make_mesh=lambda mesh, layout: sim[mesh.name])
+  ends = {}
+  for n in AGENTS:
+    engine.submit(n, lambda n=n: ends.setdefault(n, trainers[n].group.run('work', 2.0)))
+  engine.run()
+  assert ends == dict(a=4.0, b=4.0, c=7.0)
+  stats = engine.step_stats('c')
+  assert stats['swaps'] == 1 and stats['swap_s'] == 1.0 and stats['swap_wait_s'] == 0.0
+  assert isinstance(trainers['a'].state.placement, OnHost)
+  assert trainers['c'].state.placement == OnMesh(sim['pool0'], {})
+
+
+def test_pool_sends_least_recently_used_states_to_storage():
+  # One mesh, a, b, c, a in turn, each piece of work 1 s; host memory holds one state,
+  # the host link moves 1 GB/s, storage 0.5 GB/s. Every state starts on the host.
+  # a: in [0, 1], works [1, 2].
+  # b: a out [2, 3]; a, b (kept: it waits) and c on the host exceed the budget: c, then
+  #    a go to storage [3, 5], [5, 7]; b in [7, 8], works [8, 9].
+  # c: b out [9, 10]; c in from storage [10, 12], works [12, 13].
+  # a: c out [13, 14]; b (older than c) to storage [14, 16]; a in from storage [16, 18],
+  #    works [18, 19].
+  clock = SimClock()
+  trainers, meshes, sim = _pool(clock, 1, storage_bytes_per_s=0.5e9)
+  engine = TrainingEngine(trainers, meshes, host_budget=int(1.5e9), storage_dir='swap',
+                          clock=clock, make_mesh=lambda mesh, layout: sim[mesh.name])
+  ends = []
+  for name in 'abca':
+    engine.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
+    engine.run()
+  assert ends == [2.0, 9.0, 13.0, 19.0]
+  where = {n: type(t.state.placement) for n, t in trainers.items()}
+  assert where == dict(a=OnMesh, b=InStorage, c=OnHost)
+  assert trainers['b'].state.placement == InStorage('swap/b')
+  stats = engine.step_stats('a')
+  assert stats['swaps'] == 4 and stats['swap_s'] == pytest.approx(1 + 1 + 2 + 2)
+  assert stats['meshes'] == 'pool0'
