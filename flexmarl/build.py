@@ -51,7 +51,8 @@ class Factories:
     devices), or, for a training pool (mesh None), with its state in host memory.
   sampler(name, spec, trainer): the agent's `MakeSampler`.
   checkpointer(name): where the agent's checkpoints go.
-  training_pool(trainers, meshes): the engine that binds trainers to the pool's meshes.
+  training_pool(trainers, meshes): the engine that binds trainers to the pool's meshes
+    (None: the backend runs no training pool).
   timeline(name): the span track of the agent's training devices (None: none).
   """
 
@@ -59,7 +60,7 @@ class Factories:
   sampler: Callable[[str, AgentSpec, Trainer], MakeSampler]
   checkpointer: Callable[[str], Checkpointer]
   training_pool: Callable[[Mapping[str, Trainer], Sequence[placement_lib.MeshPlacement]],
-                          TrainingEngine]
+                          TrainingEngine] | None = None
   timeline: Callable[[str], Timeline | None] = lambda name: None
 
 
@@ -69,6 +70,11 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
   """Every agent of `spec` on what `placement` gives it: a trainer (on its mesh, or
   taking turns on the training pool), its rollout instances serving version 0, a
   checkpointer. `pad_ids`: each agent's tokenizer's pad id."""
+  if placement.pool and factories.training_pool is None:
+    raise ValueError(f'the placement has a training pool of {len(placement.pool)} meshes, but '
+                     'these factories have no training_pool factory (this backend runs every '
+                     'agent on a mesh of its own): give each agent its own mesh '
+                     '(config.training.pool_devices=0) or use a backend with a training pool.')
   trainers = {name: factories.trainer(name, a, i, None if placement.pool
                                       else placement.train[name])
               for i, (name, a) in enumerate(spec.agents.items())}
