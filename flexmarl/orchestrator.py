@@ -1,9 +1,12 @@
-"""JointOrchestrator: the run loop. It owns policy versions, the query stream, save and
-restore; the schedule (`schedules.py`) decides when rollout and training run.
+"""JointOrchestrator: the run loop. It owns the query stream, the metrics, save and
+restore; the schedule (`schedules.py`) decides when rollout and training run, and calls
+back only through the narrow `StepContext` the orchestrator implements. The team is
+built in `flexmarl.build`.
 
 Data moves forward only: workflow → RolloutEngine → groups (journaled to the
-ExperienceStore, and cut into batches) → the agent's trainer → weights back to its
-rollout instances. Nothing but the orchestrator and its schedule changes a version.
+ExperienceStore, and cut into batches by the schedule) → the agent's update → weights
+back to its rollout instances. An agent's version changes only in `Agent.update`, which
+only the schedule calls.
 
 Restarts: the run resumes from the newest checkpoint that every agent has, with the
 rows each agent had not yet trained on (the checkpoint names them; they are read back
