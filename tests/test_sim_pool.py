@@ -123,7 +123,7 @@ def test_host_budget_sends_the_least_recently_used_state_to_storage():
   # (W) before c's copy in.
   lines, agents = _run(_setup(host_budget=int(1.5e9)), 'sync')
   assert lines[0][TEAM]['step_time_s'] == pytest.approx(EXPECTED['sync'][0] + W, abs=1e-9)
-  assert isinstance(agents['a'].trainer.state.placement, InStorage)
+  assert isinstance(agents['a'].trainer.state.location, InStorage)
   assert lines[0]['a']['swaps'] == 3
   assert lines[0]['a']['swap_s'] == pytest.approx(2 * S + W)
   [evicted] = [s for s in agents['a'].engine.log if s['target'] == 'storage']
@@ -165,8 +165,8 @@ def test_waiting_agent_is_prefetched_while_the_resident_computes():
   assert ends == dict(a=4.0, b=4.0, c=7.0)
   stats = engine.step_stats('c')
   assert stats['swaps'] == 1 and stats['swap_s'] == 1.0 and stats['swap_wait_s'] == 0.0
-  assert isinstance(trainers['a'].state.placement, OnHost)
-  assert trainers['c'].state.placement == OnMesh(sim['pool0'], {})
+  assert isinstance(trainers['a'].state.location, OnHost)
+  assert trainers['c'].state.location == OnMesh(sim['pool0'], {})
 
 
 def test_pool_sends_least_recently_used_states_to_storage():
@@ -187,9 +187,9 @@ def test_pool_sends_least_recently_used_states_to_storage():
     engine.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
     engine.run()
   assert ends == [2.0, 9.0, 13.0, 19.0]
-  where = {n: type(t.state.placement) for n, t in trainers.items()}
+  where = {n: type(t.state.location) for n, t in trainers.items()}
   assert where == dict(a=OnMesh, b=InStorage, c=OnHost)
-  assert trainers['b'].state.placement == InStorage('swap/b')
+  assert trainers['b'].state.location == InStorage('swap/b')
   stats = engine.step_stats('a')
   assert stats['swaps'] == 4 and stats['swap_s'] == pytest.approx(1 + 1 + 2 + 2)
   assert stats['meshes'] == 'pool0'

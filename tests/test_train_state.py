@@ -102,17 +102,17 @@ def test_prefetch_gives_the_moved_state(tmp_path):
   t = _trainer(sharding.make_mesh(jax.devices()[:2], (2,), ('fsdp',)))
   stored, _ = state_lib.move(t.state, InStorage(str(tmp_path / 's')))
   with concurrent.futures.ThreadPoolExecutor(1) as executor:
-    future = state_lib.prefetch(stored, t.state.placement, executor)
+    future = state_lib.prefetch(stored, t.state.location, executor)
     state, transfer = future.result()
   assert transfer.source == 'storage' and transfer.bytes == t.state.nbytes
   _assert_same(t.state, state)
-  assert state.placement == t.state.placement
+  assert state.location == t.state.location
 
 
 def test_a_stored_state_loads_its_own_arrays(tmp_path):
   """Bug: the arrays taken from the `like` state instead of the saved ones."""
   like = state_lib.AgentState(params={'w': np.arange(6.0)}, opt_state={'m': np.ones(6)},
-                              rng=np.zeros(2, np.uint32), placement=OnHost())
+                              rng=np.zeros(2, np.uint32), location=OnHost())
   start = dataclasses.replace(like, params={'w': np.arange(6.0) * 2})
   state_lib.move(start, InStorage(str(tmp_path / 's')))
   loaded, _ = state_lib.load(str(tmp_path / 's'), like, OnHost())
@@ -141,7 +141,7 @@ def test_checkpoint_of_a_stored_state_restores_onto_a_host_state(tmp_path):
   fresh = _trainer(sharding.layout((2,), ('fsdp',)))  # its state in host memory
   state, meta = ckpt.restore(7, fresh.train_state())
   fresh.load_train_state(state)
-  assert meta['version'] == 1 and isinstance(fresh.state.placement, OnHost)
+  assert meta['version'] == 1 and isinstance(fresh.state.location, OnHost)
   for x, y in zip(_leaves(t.train_state()), _leaves(fresh.train_state()), strict=True):
     assert np.array_equal(x, y)
   ckpt.close()

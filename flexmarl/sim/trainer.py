@@ -39,7 +39,7 @@ from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.sim.costs import transfer_time
 from flexmarl.sim.devices import COMPILE, CompileCache, DeviceGroup
-from flexmarl.train.state import InStorage, OnHost, OnMesh, Placement, Transfer, kind
+from flexmarl.train.state import InStorage, OnHost, OnMesh, Location, Transfer, kind
 from flexmarl.train.trainer import TrainBatch
 
 
@@ -64,7 +64,7 @@ class SimState:
   `SimMesh` in place of a jax Mesh)."""
 
   nbytes: int
-  placement: Placement
+  location: Location
 
 
 class SimTrainer:
@@ -101,8 +101,8 @@ class SimTrainer:
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
     self.layout, self.state_bytes, self.storage = layout, state_bytes, storage
     self.mesh: SimMesh | None = None  # the pool mesh it is bound to
-    self._placement: Placement = OnHost() if group is None else OnMesh(group, {})
-    self._incoming: tuple[SimMesh, Placement, float, float] | None = None  # a prefetch
+    self._location: Location = OnHost() if group is None else OnMesh(group, {})
+    self._incoming: tuple[SimMesh, Location, float, float] | None = None  # a prefetch
     self.params = {'version': np.zeros((), np.int32)}  # placeholder: no weights are simulated
     self._update = 0  # the agent's updates before the one being accumulated
     self._tokens = 0  # tokens accumulated since the last optimizer step
@@ -110,22 +110,22 @@ class SimTrainer:
 
   @property
   def state(self) -> SimState:
-    return SimState(self.state_bytes, self._placement)
+    return SimState(self.state_bytes, self._location)
 
   def _run(self, name: str, seconds: float, **args) -> float:
     if self.group is None:
       raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
-                         f'{kind(self._placement)}): the engine binds it before its work.')
+                         f'{kind(self._location)}): the engine binds it before its work.')
     return self.group.run(name, seconds, agent=self.name, version=self._update, **args)
 
   # -- where the state lives (the engine's PoolTrainer) ---------------------------------
 
-  def _copy(self, link: Link, name: str, bytes_per_s: float, target: Placement,
+  def _copy(self, link: Link, name: str, bytes_per_s: float, target: Location,
             earliest: float = 0.0) -> tuple[float, float]:
     """Reserve `link` for a copy of the state to `target`; (end time, seconds)."""
     seconds = transfer_time(self.state_bytes, bytes_per_s)
     end = link.group.run(name, seconds, earliest, agent=self.name, bytes=self.state_bytes,
-                         source=kind(self._placement), target=kind(target))
+                         source=kind(self._location), target=kind(target))
     return end, seconds
 
   def _storage(self) -> Link:
@@ -136,7 +136,7 @@ class SimTrainer:
 
   def _copy_in(self, mesh: SimMesh) -> tuple[float, float]:
     """Reserve the mesh's link for the state's copy onto it, from host or storage."""
-    rate = (self._storage().bytes_per_s if isinstance(self._placement, InStorage)
+    rate = (self._storage().bytes_per_s if isinstance(self._location, InStorage)
             else mesh.host.bytes_per_s)
     return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}))
 
@@ -150,7 +150,7 @@ class SimTrainer:
     next `bind(mesh)` takes it."""
     del executor  # a simulated copy needs no thread
     end, seconds = self._copy_in(mesh)
-    self._incoming = (mesh, self._placement, end, seconds)
+    self._incoming = (mesh, self._location, end, seconds)
 
   def bind(self, mesh: SimMesh) -> Transfer:
     """Copy the state onto `mesh` (or take the prefetched copy) and wait until it is
@@ -160,19 +160,19 @@ class SimTrainer:
     if self.mesh is not None:
       raise RuntimeError(f'agent {self.name!r} is bound to another mesh; release it first.')
     incoming, self._incoming = self._incoming, None
-    if incoming is not None and incoming[0] is mesh and incoming[1] == self._placement:
+    if incoming is not None and incoming[0] is mesh and incoming[1] == self._location:
       end, seconds = incoming[2:]
     else:
       end, seconds = self._copy_in(mesh)
     self._wait(end)
-    source = kind(self._placement)
-    self.mesh, self.group, self._placement = mesh, mesh.compute, OnMesh(mesh, {})
+    source = kind(self._location)
+    self.mesh, self.group, self._location = mesh, mesh.compute, OnMesh(mesh, {})
     return Transfer(source, 'mesh', self.state_bytes, seconds)
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
     """Copy the state off its mesh (once the work dispatched there is done) or from
     host memory to storage, and wait until it is there."""
-    source = self._placement
+    source = self._location
     if source == to:
       return Transfer(kind(source), kind(to), 0, 0.0)
     if self.mesh is not None:
@@ -185,7 +185,7 @@ class SimTrainer:
       end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to)
     self._wait(end)
     self.mesh = self.group = None
-    self._placement = to
+    self._location = to
     return Transfer(kind(source), kind(to), self.state_bytes, seconds)
 
   def accumulate(self, batch: TrainBatch, update: int = 0) -> None:

@@ -33,7 +33,7 @@ from flexmarl.clock import Clock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
-from flexmarl.train.state import InStorage, OnHost, Placement, Transfer
+from flexmarl.train.state import InStorage, OnHost, Location, Transfer
 
 
 class PoolMesh(NamedTuple):
@@ -53,7 +53,7 @@ class StateInfo(Protocol):
     ...
 
   @property
-  def placement(self) -> Placement:
+  def location(self) -> Location:
     ...
 
 
@@ -196,7 +196,7 @@ class TrainingEngine:
     if not self.host_budget:
       return
     on_host = {a: t.state.nbytes for a, t in self.trainers.items()
-               if isinstance(t.state.placement, OnHost)}
+               if isinstance(t.state.location, OnHost)}
     keep = {a for a, q in self.queues.items() if q}
     for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
       start = self.clock.now()

@@ -1,11 +1,11 @@
 """An agent's training state as a value that knows where it lives, and one call to move it.
 
 `AgentState` holds params, optimizer state, RNG (and, when present, the frozen
-KL reference and a half-accumulated gradient). Its `placement` says where the arrays
+KL reference and a half-accumulated gradient). Its `location` says where the arrays
 are: `OnMesh` (device memory, sharded), `OnHost` (pinned host memory where the
 platform has that memory kind, else numpy) or `InStorage` (an Orbax checkpoint; the
-state then carries only the arrays' shapes). `move(state, placement)` goes from any
-placement to any other, resharding on the way, and reports bytes and seconds.
+state then carries only the arrays' shapes). `move(state, location)` goes from any
+location to any other, resharding on the way, and reports bytes and seconds.
 
 Moving does not delete the source arrays: a rollout sampler may still serve them; they
 are freed when the last reference goes.
@@ -45,7 +45,7 @@ class InStorage:
   path: str  # an Orbax checkpoint directory (written on move, read on move out)
 
 
-Placement = OnMesh | OnHost | InStorage
+Location = OnMesh | OnHost | InStorage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class AgentState:
   params: Any
   opt_state: Any
   rng: Any  # raw key data (uint32), so it moves like any array
-  placement: Placement
+  location: Location
   ref_params: Any = None
   grads: Any = None
 
@@ -74,8 +74,8 @@ class Transfer(NamedTuple):
   seconds: float
 
 
-def kind(placement: Placement) -> str:
-  return {OnMesh: 'mesh', OnHost: 'host', InStorage: 'storage'}[type(placement)]
+def kind(location: Location) -> str:
+  return {OnMesh: 'mesh', OnHost: 'host', InStorage: 'storage'}[type(location)]
 
 
 def has_pinned_host(device: jax.Device) -> bool:
@@ -115,7 +115,7 @@ def _save(path: str, arrays: dict) -> None:
   checkpointer.wait_until_finished()
 
 
-def _restore(path: str, like: dict, to: Placement, shardings: dict | None) -> dict:
+def _restore(path: str, like: dict, to: Location, shardings: dict | None) -> dict:
   """Read a saved state onto the mesh shardings (resharding) or into numpy arrays."""
   if shardings is None:
     target = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), like)
@@ -126,11 +126,11 @@ def _restore(path: str, like: dict, to: Placement, shardings: dict | None) -> di
   return _to_host(arrays) if isinstance(to, OnHost) else arrays
 
 
-def move(state: AgentState, to: Placement, *, wait: bool = True
+def move(state: AgentState, to: Location, *, wait: bool = True
          ) -> tuple[AgentState, Transfer]:
   """The same state at `to`. With `wait=False` device transfers are only started (jax
   dispatches them asynchronously); storage reads and writes always complete."""
-  src = state.placement
+  src = state.location
   if src == to:
     return state, Transfer(kind(src), kind(to), 0, 0.0)
   if not isinstance(src, InStorage):
@@ -146,7 +146,7 @@ def move(state: AgentState, to: Placement, *, wait: bool = True
   return _done(state, to, arrays, start, wait)
 
 
-def put(state: AgentState, to: Placement, *, wait: bool = True
+def put(state: AgentState, to: Location, *, wait: bool = True
         ) -> tuple[AgentState, Transfer]:
   """`state`'s in-memory arrays (wherever they are: any device, host, numpy) at `to`."""
   start = time.perf_counter()
@@ -162,24 +162,24 @@ def put(state: AgentState, to: Placement, *, wait: bool = True
   return _done(state, to, arrays, start, wait)
 
 
-def _done(state: AgentState, to: Placement, arrays: dict, start: float, wait: bool
+def _done(state: AgentState, to: Location, arrays: dict, start: float, wait: bool
           ) -> tuple[AgentState, Transfer]:
   if wait:
     jax.block_until_ready(arrays)
-  moved = dataclasses.replace(state, placement=to, **arrays)
-  return moved, Transfer(kind(state.placement), kind(to), state.nbytes,
+  moved = dataclasses.replace(state, location=to, **arrays)
+  return moved, Transfer(kind(state.location), kind(to), state.nbytes,
                          time.perf_counter() - start)
 
 
-def load(path: str, like: AgentState, to: Placement) -> tuple[AgentState, Transfer]:
+def load(path: str, like: AgentState, to: Location) -> tuple[AgentState, Transfer]:
   """A state saved at `path` by a move to InStorage (this process or an earlier one),
   moved to `to`; `like` gives the structure (any state of the same agent config)."""
-  stored = dataclasses.replace(like, placement=InStorage(path),
+  stored = dataclasses.replace(like, location=InStorage(path),
                                **_abstract(like.arrays()))
   return move(stored, to)
 
 
-def prefetch(state: AgentState, to: Placement,
+def prefetch(state: AgentState, to: Location,
              executor: concurrent.futures.Executor) -> concurrent.futures.Future:
   """Start moving `state` to `to` on `executor` (a thread: storage reads block, device
   copies overlap with whatever the caller dispatches next). The future gives what

@@ -156,7 +156,7 @@ class AgentTrainer:
         (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
     self.state = AgentState(
         params=params, opt_state=jax.device_get(self.tx.init(params)),
-        rng=np.asarray(jax.random.key_data(jax.random.key(seed))), placement=OnHost(),
+        rng=np.asarray(jax.random.key_data(jax.random.key(seed))), location=OnHost(),
         # A frozen copy for the KL term: the live params are replaced at every step.
         ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
     self.mesh: Mesh | None = None
@@ -191,8 +191,8 @@ class AgentTrainer:
   def _bound(self) -> OnMesh:
     if self.mesh is None:
       raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
-                         f'{state_lib.kind(self.state.placement)}): call bind(mesh) first.')
-    return self.state.placement
+                         f'{state_lib.kind(self.state.location)}): call bind(mesh) first.')
+    return self.state.location
 
   def shardings_on(self, mesh: Mesh):
     """Where the params would live on `mesh` (any mesh of this layout, bound or not)."""
@@ -284,7 +284,7 @@ class AgentTrainer:
   def train_state(self) -> dict:
     """What a checkpoint holds (a stored state is read into host memory for it)."""
     state = self.state
-    if isinstance(state.placement, InStorage):
+    if isinstance(state.location, InStorage):
       state, _ = state_lib.move(state, OnHost())
     return {'params': state.params, 'opt_state': state.opt_state}
 
@@ -292,5 +292,5 @@ class AgentTrainer:
     """Take a restored state, kept where this agent's state lives now."""
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
-    self.state, _ = state_lib.put(fresh, self.state.placement)
+    self.state, _ = state_lib.put(fresh, self.state.location)
     self._stats, self._tokens = [], 0
