@@ -98,7 +98,21 @@ class Schedule(Protocol):
     """Take back groups a checkpoint carried (on restore)."""
 
 
-class Sync:
+class Buffered:
+  """Each agent's buffer of served rows not yet trained on; a checkpoint carries what
+  the buffers keep."""
+
+  buffers: dict[str, BatchBuilder | StaleBuffer]
+
+  def carried(self) -> dict[str, list[Group]]:
+    return {n: list(b.kept) for n, b in self.buffers.items()}
+
+  def carry(self, name: str, groups: Sequence[Group]) -> None:
+    for g in groups:
+      self.buffers[name].add(g)
+
+
+class Sync(Buffered):
   """Roll out, then train the full agents one after another."""
 
   pipelined = False  # train micro-batches while the rollout goes on (FlexPipeline)
@@ -111,13 +125,6 @@ class Sync:
   def new_buffer(spec: AgentSpec) -> BatchBuilder:
     return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
                         spec.grpo.dynamic_sampling)
-
-  def carried(self) -> dict[str, list[Group]]:
-    return {n: list(b.kept) for n, b in self.buffers.items()}
-
-  def carry(self, name: str, groups: Sequence[Group]) -> None:
-    for g in groups:
-      self.buffers[name].add(g)
 
   def run_step(self, ctx: StepContext) -> StepResult:
     t0 = ctx.clock.now()
@@ -194,7 +201,7 @@ class FlexPipeline(Sync):
     return stats
 
 
-class Async:
+class Async(Buffered):
   """`async:k`: agents with a full buffer train while the rollout serves the weights
   from before those updates; publish when both are done."""
 
@@ -203,13 +210,6 @@ class Async:
     self.buffers = {n: StaleBuffer(a.global_batch, a.micro_batch // a.group_size,
                                    max_staleness, a.grpo.dynamic_sampling)
                     for n, a in self.agents.items()}
-
-  def carried(self) -> dict[str, list[Group]]:
-    return {n: list(b.kept) for n, b in self.buffers.items()}
-
-  def carry(self, name: str, groups: Sequence[Group]) -> None:
-    for g in groups:
-      self.buffers[name].add(g)
 
   def run_step(self, ctx: StepContext) -> StepResult:
     t0 = ctx.clock.now()
