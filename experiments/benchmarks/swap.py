@@ -51,10 +51,10 @@ def _state(nbytes: int, mesh) -> tuple[AgentState, OnMesh]:
   params = {f'w{i}': rng.standard_normal((max(2, s // 4 // cols) // 2 * 2, cols), np.float32)
             for i, s in enumerate(sizes)}
   specs = {k: P('fsdp') for k in params}
-  placement = OnMesh(mesh, {'params': sharding.on_mesh(specs, mesh), 'opt_state': ()})
-  host = AgentState(params=params, opt_state=(), version=0, rng=np.zeros(2, np.uint32),
-                    placement=OnHost())
-  return state_lib.move(host, placement)[0], placement
+  location = OnMesh(mesh, {'params': sharding.on_mesh(specs, mesh), 'opt_state': ()})
+  host = AgentState(params=params, opt_state=(), rng=np.zeros(2, np.uint32),
+                    location=OnHost())
+  return state_lib.move(host, location)[0], location
 
 
 def _best(fn, repeats: int) -> float:
