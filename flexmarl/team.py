@@ -120,13 +120,14 @@ class Agent:
     self._unpublished = Weights(self.trainer.params, version)
     self.publish()
 
-  def _train(self, work: Callable[[], None]) -> None:
-    """Run `work` on the trainer: at once, or through the pool's engine."""
+  def _train(self, work: Callable[[], None], urgent: bool = True) -> None:
+    """Run `work` on the trainer: at once, or through the pool's engine (which, unless
+    `urgent`, may leave it queued rather than move another agent's state out)."""
     if self.engine is None:
       work()
     else:
       self.engine.submit(self.name, work)
-      self.engine.run()
+      self.engine.run((self.name,) if urgent else ())
 
   def swap_stats(self) -> dict:
     """Where the agent trained since the last call and its swap costs ({} without a pool)."""
@@ -149,7 +150,9 @@ class Agent:
       if self.timeline is not None:
         self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=version,
                           tokens=batch.tokens)
-    self._train(work)
+    # On a training pool a micro-batch waits for a mesh that holds no state; the
+    # optimizer step (`update`) then binds the agent and runs all its queued work.
+    self._train(work, urgent=False)
 
   def update(self, batch: Sequence[Group], micro_batches: Sequence[Sequence[Group]]
              ) -> Callable[[], Stats]:

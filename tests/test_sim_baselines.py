@@ -52,19 +52,19 @@ def test_more_agents_than_meshes_swap_in_turn():
   assert r.step_times == [pytest.approx(18.8)]
 
 
-def test_pipelined_pool_swaps_per_micro_batch_and_holds_up_the_rollout():
+def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
   # flexmarl, one mesh. Query 0 ends at 3 with a group for each agent:
   #   a: swap in [3, 4], micro-batch [4, 5.2]
-  #   b: a leaves once its micro-batch is done [5.2, 6.2], b in [6.2, 7.2]; b's
-  #      micro-batch [7.2, 10.4]. The engine held the rollout: query 1 starts at 7.2,
-  #      ends at 10.2 (a [7.2, 8.2], b [8.2, 10.2]).
-  #   a: b leaves [10.4, 11.4], a in [11.4, 12.4]; a's micro-batch and step [12.4, 14.1]
-  #   b: a leaves [14.1, 15.1], b in [15.1, 16.1]; b's micro-batch and step
-  #      [16.1, 19.8]   ->   19.8
+  #   b: its micro-batch waits (the mesh holds a's state; a micro-batch is not worth a
+  #      swap). The bind held the rollout: query 1 starts at 4, ends at 7 (a [4, 5],
+  #      b [5, 7]).
+  #   a: micro-batch and step [7, 8.7]
+  #   b: its step is urgent: a leaves once its work is done [8.7, 9.7], b in [9.7, 10.7];
+  #      b's two micro-batches and step [10.7, 17.6]   ->   17.6
   r = simulate(_pool(), 'flexmarl')
-  assert r.step_times == [pytest.approx(19.8)]
-  # Busy on the mesh: 2.9 + 6.9 s of training over the 19.8 s step.
-  assert r.utilization['train'] == pytest.approx(9.8 / 19.8)
+  assert r.step_times == [pytest.approx(17.6)]
+  # Busy on the mesh: 2.9 + 6.9 s of training over the 17.6 s step.
+  assert r.utilization['train'] == pytest.approx(9.8 / 17.6)
 
 
 def test_first_calls_compile_and_warm_up_steps_are_left_out():

@@ -45,15 +45,17 @@ EXPECTED = {
     # Rollout 2Q. a in (S) at 2Q, its work dispatched; b in on pool1 (S) after; c: a out
     # once a's work is done (2Q + S + 2A + OPT), c in (S), c's work: it ends last.
     'sync_parallel': [2 * Q + S + (2 * A + OPT) + 2 * S + (2 * C + OPT)],
-    # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on pool1 (S); c:
-    # a out once its micro-batch is done (Q + S + A), c in (S). Only then does the rollout
-    # admit query 1 (the engine blocked it), which ends Q later. Then a: b out, a in; b:
-    # c out, b in; c: a out (its work done by then), c in, c's micro-batch and step.
-    'flexmarl': [Q + S + A + 2 * S + Q + 2 * S + 2 * S + 2 * S + (C + OPT)],
+    # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on the empty pool1
+    # (S), B; c's micro-batch waits: no mesh without a state, and a micro-batch is not
+    # worth a swap. Only then does the rollout admit query 1 (the binds blocked it), which
+    # ends Q later. a's second micro-batch and step follow on pool0 (its first one is
+    # done); b's on pool1 end before c's. c's step is urgent: a out once its work is done
+    # (S), c in (S), c's two micro-batches and step.
+    'flexmarl': [2 * Q + 2 * S + (A + OPT) + 2 * S + (2 * C + OPT)],
 }
 SWAPS = {'sync': dict(a=2, b=1, c=1), 'sync_parallel': dict(a=2, b=1, c=1),
-         'flexmarl': dict(a=4, b=3, c=3)}  # in the first step
-MESHES = {'sync': 'pool0', 'sync_parallel': 'pool0', 'flexmarl': 'pool0,pool1'}  # a's
+         'flexmarl': dict(a=2, b=1, c=1)}  # in the first step
+MESHES = {'sync': 'pool0', 'sync_parallel': 'pool0', 'flexmarl': 'pool0'}  # a's
 
 
 class EveryAgentAnswers:

@@ -26,7 +26,7 @@ import collections
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from flexmarl.clock import Clock
@@ -140,9 +140,15 @@ class TrainingEngine:
         self.since[agent] = self._next_tick()
       self.queues[agent].append(work)
 
-  def run(self) -> None:
-    """Carry out every queued piece of work, binding and swapping as needed. Returns
-    once all of it is dispatched (the devices may still be computing)."""
+  def run(self, urgent: Collection[str] | None = None) -> None:
+    """Carry out the queued work of agents that are bound or can bind to a mesh that
+    holds no state, and all the work of the `urgent` agents (None: every agent),
+    moving another agent's state out for them if need be. Returns once that work is
+    dispatched (the devices may still be computing); the rest stays queued for a later
+    `run`.
+
+    A micro-batch is not worth a swap: the agent's optimizer step (run as urgent)
+    binds it anyway, and every swap in between would be paid twice."""
     with self._lock:
       while True:
         for agent, mesh in self.where.items():
@@ -150,15 +156,18 @@ class TrainingEngine:
             self._run_queue(agent)
         waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a], self.where[a])
                    for a, q in self.queues.items() if q]
-        if not waiting:
-          return
         free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
                 for m, mesh in self.meshes.items() for a in [self.bound[m]]]
-        bindings = allocate(waiting, free)
-        if not bindings:
-          shapes = sorted({w.layout for w in waiting})
-          raise RuntimeError(f'no mesh of the training pool has the shapes {shapes} of '
-                             f'{[w.agent for w in waiting]}; config checks should prevent this.')
+        bindings = allocate(waiting, [m for m in free if m.resident is None])
+        if not bindings:  # an urgent agent may take a mesh from one that is not waiting
+          must = [w for w in waiting if urgent is None or w.agent in urgent]
+          if not must:
+            return
+          bindings = allocate(must, free)
+          if not bindings:
+            shapes = sorted({w.layout for w in must})
+            raise RuntimeError(f'no mesh of the training pool has the shapes {shapes} of '
+                               f'{[w.agent for w in must]}; config checks should prevent this.')
         for agent, mesh in bindings.items():
           self._bind(agent, mesh)
         self._prefetch([w for w in sorted(waiting, key=lambda w: (w.since, w.agent))
