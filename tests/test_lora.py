@@ -161,8 +161,16 @@ def _lora_team(steps: int) -> ml_collections.ConfigDict:
 
 
 def _checkpoint(workdir: str, agent: str, step: int) -> dict:
+  """A saved train state, layer keys as the model's (Orbax gives them back as strings)."""
   path = os.path.abspath(os.path.join(workdir, 'checkpoints', agent, str(step), 'state'))
-  return ocp.StandardCheckpointer().restore(path)
+  return _int_keys(ocp.StandardCheckpointer().restore(path))
+
+
+def _int_keys(tree):
+  if not isinstance(tree, dict):
+    return tree
+  return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v)
+          for k, v in tree.items()}
 
 
 @pytest.fixture(scope='module')

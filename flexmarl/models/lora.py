@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flexmarl.errors import ConfigError
+from flexmarl.validate import fail, refuse_unknown
 
 # Projections an adapter may target, with their HF (and PEFT) module names.
 TARGETS = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
@@ -43,27 +43,21 @@ class LoRAConfig:
     """The checked config of section `field` (unknown fields, a negative rank, a
     non-positive alpha and unknown or repeated targets refused)."""
     given = dict(values or {})
-    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-      _fail(field, given, f'unknown field(s) {unknown}; known: rank, alpha, targets.')
+    refuse_unknown(field, given, [f.name for f in dataclasses.fields(cls)])
     cfg = cls(**given)
     rank, alpha = cfg.rank, cfg.alpha
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
-      _fail(f'{field}.rank', rank, 'give a whole number >= 0 (0: no adapter, the full '
+      fail(f'{field}.rank', rank, 'give a whole number >= 0 (0: no adapter, the full '
             'model trains; 8 to 64 are usual).')
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not alpha > 0:
-      _fail(f'{field}.alpha', alpha, 'give a number > 0 (the adapter scale is alpha / rank; '
+      fail(f'{field}.alpha', alpha, 'give a number > 0 (the adapter scale is alpha / rank; '
             'alpha = 2 * rank is usual).')
     targets = (cfg.targets,) if isinstance(cfg.targets, str) else tuple(cfg.targets)
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets or len(set(targets)) != len(targets):
-      _fail(f'{field}.targets', cfg.targets, f'give distinct projections among '
+      fail(f'{field}.targets', cfg.targets, f'give distinct projections among '
             f'{list(TARGETS)} (unknown: {bad}).')
     return cls(int(rank), float(alpha), targets)
-
-
-def _fail(field: str, value: Any, fix: str):
-  raise ConfigError(f'config.{field}={value!r}: {fix}')
 
 
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
