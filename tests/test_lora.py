@@ -22,7 +22,7 @@ from flexmarl.models import hf, lora, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.run import train
-from flexmarl.train import grpo
+from flexmarl.train import grpo, sizing
 from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.state import InStorage, OnHost
@@ -114,6 +114,10 @@ def test_only_adapters_train_and_the_base_survives_moves_and_checkpoints(tmp_pat
   adapters, base = jax.device_get(lora.partition(t.params, cfg.lora))
   assert _equal(base, base0)
   assert not _equal(adapters, adapters0)
+  # The sizing of a state from shapes (host budgets, the pool's checks) agrees.
+  assert sizing.state_nbytes(cfg, OptimizerConfig(), grpo.GRPOConfig()) == t.state.nbytes
+  full = dataclasses.replace(cfg, lora=LoRAConfig())
+  assert t.state.nbytes < sizing.state_nbytes(full, OptimizerConfig(), grpo.GRPOConfig())
   # host, storage and back onto another mesh; a checkpoint and a fresh trainer's restore
   t.release(InStorage(str(tmp_path / 'swap')))
   t.bind(sharding.make_mesh(jax.devices()[2:4], (2, 1)))
