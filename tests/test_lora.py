@@ -187,9 +187,12 @@ def lora_run(tmp_path_factory):
 
 def test_a_lora_team_learns_with_its_base_frozen(lora_run):
   workdir, config = lora_run
-  accuracy = [m['accuracy'] for m in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-              if m.get('agent') == 'verifier' and 'accuracy' in m]
+  metrics = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  accuracy = [m['accuracy'] for m in metrics if m.get('agent') == 'verifier' and 'accuracy' in m]
   assert np.mean(accuracy[:3]) < 0.3 and np.mean(accuracy[-3:]) > 0.6, accuracy
+  # The sampler serves base + adapters: on-policy rows have the trainer's logprobs.
+  on_policy = [m['ratio_dev'] for m in metrics if m.get('staleness_max') == 0 and 'ratio_dev' in m]
+  assert on_policy and max(on_policy) < 1e-4, on_policy
   for index, name in enumerate(config.agents):  # trainer seeds: seed * 1000 + index
     cfg = _spec_model(config.agents[name])
     cfg = dataclasses.replace(cfg, vocab_size=_checkpoint(workdir, name, 15)['params'][
