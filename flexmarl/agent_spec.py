@@ -16,6 +16,7 @@ import ml_collections
 
 from flexmarl.errors import ConfigError
 from flexmarl.models import hf, sharding
+from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig
@@ -31,11 +32,12 @@ NO_BOUND = 2**31  # max_instances of an agent whose rollout section sets 0
 def model_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   """The model section: a preset's sizes (vocab_size 0: the tokenizer's), or with
   `checkpoint` an HF Llama/Qwen2 folder, whose config.json gives the architecture (only
-  dtype applies from here) and whose safetensors give the weights."""
+  dtype applies from here) and whose safetensors give the weights. `lora` (rank > 0)
+  makes the agent adapters on that model, which stays frozen."""
   options = {f.name: f.default for f in dataclasses.fields(ModelConfig)
              if f.name in MODEL_OPTIONS}
   return ml_collections.ConfigDict(dict(preset=preset, vocab_size=0, checkpoint='',
-                                        **options))
+                                        lora=config_of(LoRAConfig), **options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +168,7 @@ def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[Mod
   model = dict(section)
   checkpoint = model.pop('checkpoint')
   preset = model.pop('preset')
+  adapters = LoRAConfig.from_config(f'{field}.lora', model.pop('lora'))
   if preset not in PRESETS:
     fail(f'{field}.preset', preset, f'choose one of {sorted(PRESETS)}.')
   model_vocab = model.pop('vocab_size') or vocab_size
@@ -179,8 +182,9 @@ def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[Mod
            f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
            f'{vocab_size}; use the checkpoint\'s own tokenizer ({agent}.tokenizer, or '
            'config.tokenizer for the whole team).')
-    return model_cfg, checkpoint
+    return dataclasses.replace(model_cfg, lora=adapters), checkpoint
   try:
-    return ModelConfig(**{**PRESETS[preset], **model, 'vocab_size': model_vocab}), ''
+    return ModelConfig(**{**PRESETS[preset], **model, 'vocab_size': model_vocab,
+                          'lora': adapters}), ''
   except (TypeError, ValueError) as e:
     raise ConfigError(f'config.{field}: {e}') from None

@@ -114,6 +114,10 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
   max_model_len = engine_config(**rollout.vllm).max_model_len
   for name, a in agents.items():
     f = f'agents.{name}'
+    if a.model.lora.rank:
+      fail(f'{f}.model.lora.rank', a.model.lora.rank,
+           'LoRA agents are not supported with the vLLM backend yet; use '
+           'rollout.backend=embedded, or rank 0 (a full-parameter agent).')
     if sizes is not None and a.model.head_dim not in sizes:
       fail(f'{f}.model.head_dim', a.model.head_dim,
            f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '

@@ -4,7 +4,8 @@
 
 The folder (safetensors, config.json, tokenizer files) loads in `transformers`
 (`AutoModelForCausalLM.from_pretrained`) and in vLLM, and as `model.checkpoint` of a
-new FlexMARL agent. The agent's architecture is rebuilt from `WORKDIR/config.json`
+new FlexMARL agent. A LoRA agent is written with its adapters merged into the weights
+(base + scale·A·B), and its adapters alone as a PEFT folder in `OUT_DIR/adapter`. The agent's architecture is rebuilt from `WORKDIR/config.json`
 and its tokenizer from `WORKDIR/tokenizers/AGENT/` (an agent's own) or
 `WORKDIR/tokenizer/` (the team's), written when the run started.
 """
@@ -20,7 +21,7 @@ from absl import app, flags
 from flax import nnx
 
 from flexmarl.config import agent_spec
-from flexmarl.models import hf
+from flexmarl.models import hf, lora
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train.checkpoint import AgentCheckpointer
@@ -50,10 +51,15 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
   # Restore onto one device, as shapes first: nothing is initialised just to be replaced.
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = nnx.to_pure_dict(hf.abstract_params(spec.model)[1])
-  like = {'params': params, 'opt_state': jax.eval_shape(make_optimizer(spec.optimizer).init, params)}
+  trainable = lora.partition(params, spec.model.lora)[0]
+  like = {'params': params,
+          'opt_state': jax.eval_shape(make_optimizer(spec.optimizer).init, trainable)}
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
   state, _ = checkpointer.restore(max(steps) if step is None else step, like)
   checkpointer.close()
+  if spec.model.lora.rank:
+    hf.save_peft(spec.model, state['params'], os.path.join(out_dir, 'adapter'),
+                 base_model=spec.checkpoint)
   return hf.save_hf(spec.model, state['params'], out_dir, tokenizer=tokenizer, dtype=dtype)
 
 

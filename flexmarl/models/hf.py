@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flexmarl.models import transformer
+from flexmarl.models import lora, transformer
 from flexmarl.models.transformer import ModelConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': False, 'Qwen2ForCausalLM': True}  # → qkv bias
@@ -218,8 +218,10 @@ def initial_params(cfg: ModelConfig, checkpoint: str, shardings: dict, seed: int
 def hf_weights(cfg: ModelConfig, params: dict, dtype: str | None = None
                ) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, C-contiguous host array) for every parameter, one at a time (export,
-  vLLM weight sync). Layouts change on the device (XLA transposes far faster than
-  numpy); on a single CPU device the host array shares the result's buffer."""
+  vLLM weight sync); a LoRA model's adapters merged into its weights. Layouts change
+  on the device (XLA transposes far faster than numpy); on a single CPU device the
+  host array shares the result's buffer."""
+  params = lora.merged(params, cfg.lora)
   for path, name, _, to_hf in param_map(cfg):
     value = to_hf(_get(params, path))
     yield name, np.asarray(value.astype(dtype) if dtype else value)
@@ -261,6 +263,41 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, tokenizer=None,
     tokenizer.save(out_dir)
     with open(os.path.join(out_dir, 'generation_config.json'), 'w', encoding='utf-8') as f:
       json.dump(generation_config(tokenizer), f, indent=2)
+  return out_dir
+
+
+def peft_weights(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """A LoRA model's adapters under PEFT's names and layouts (lora_A [rank, in],
+  lora_B [out, rank], HF's flattening of heads)."""
+  r = cfg.lora.rank
+  out = {}
+  for i in range(cfg.layers):
+    for target in cfg.lora.targets:
+      group = 'attn' if target in ('q', 'k', 'v', 'o') else 'mlp'
+      adapter = params['blocks'][i][group][f'{target}_lora']
+      name = f'base_model.model.model.layers.{i}.{lora.TARGETS[target]}'
+      out[f'{name}.lora_A.weight'] = np.ascontiguousarray(
+          np.asarray(adapter['lora_a']).reshape(-1, r).T)
+      out[f'{name}.lora_B.weight'] = np.ascontiguousarray(
+          np.asarray(adapter['lora_b']).reshape(r, -1).T)
+  return out
+
+
+def save_peft(cfg: ModelConfig, params: dict, out_dir: str, base_model: str = '') -> str:
+  """Write a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of a
+  LoRA model; `base_model`: the base folder it applies to (written into the config)."""
+  from safetensors.numpy import save_file
+  if not cfg.lora.rank:
+    raise ValueError('this model has no adapters (lora.rank 0): export it with save_hf.')
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(peft_weights(cfg, params), os.path.join(out_dir, 'adapter_model.safetensors'),
+            metadata={'format': 'pt'})
+  config = dict(peft_type='LORA', task_type='CAUSAL_LM', base_model_name_or_path=base_model,
+                r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, bias='none',
+                fan_in_fan_out=False, inference_mode=True,
+                target_modules=sorted(lora.TARGETS[t].split('.')[-1] for t in cfg.lora.targets))
+  with open(os.path.join(out_dir, 'adapter_config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2)
   return out_dir
 
 

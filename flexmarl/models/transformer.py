@@ -20,7 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from flexmarl.models import lora as lora_lib
+from flexmarl.models.lora import LoRAConfig
 
 # One layer's (key, value) cache: [batch, cache_len, kv_heads, head_dim] each.
 KVCache = list[tuple[jax.Array, jax.Array]]
@@ -45,6 +49,7 @@ class ModelConfig:
   qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
   tie_embeddings: bool = True
   dtype: str = 'float32'
+  lora: LoRAConfig = LoRAConfig()  # adapters on a frozen base (rank 0: none)
 
   def __post_init__(self):
     if self.heads % self.kv_heads:
@@ -76,6 +81,40 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
            scale: float, dtype) -> nnx.Param:
   value = jax.random.normal(rngs.params(), shape, dtype) * scale
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class LoRA(nnx.Module):
+  """One projection's adapter: A [in..., rank] random, B [rank, out...] zero, so that
+  it adds nothing until it trains."""
+
+  def __init__(self, rngs: nnx.Rngs, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+               in_axes: tuple[str | None, ...], out_axes: tuple[str | None, ...],
+               cfg: LoRAConfig, dtype):
+    self.lora_a = _param(rngs, in_shape + (cfg.rank,), in_axes + (None,),
+                         float(np.prod(in_shape)) ** -0.5, dtype)
+    self.lora_b = nnx.Param(jnp.zeros((cfg.rank,) + out_shape, dtype),
+                            out_sharding=(None,) + out_axes, eager_sharding=False)
+    self.scale = cfg.scale
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return lora_lib.delta(x, self.lora_a[...], self.lora_b[...], self.scale).astype(x.dtype)
+
+
+def _add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs,
+                  projections: dict[str, tuple[int, tuple[str | None, ...]]]) -> None:
+  """Give `module` a `NAME_lora` adapter for each of its `projections` (name →
+  (input dims, logical axes of its weight)) that `cfg.lora` targets."""
+  for name, (n_in, axes) in projections.items():
+    if name in cfg.lora.targets:
+      shape = getattr(module, name).shape
+      setattr(module, f'{name}_lora', LoRA(rngs, shape[:n_in], shape[n_in:], axes[:n_in],
+                                           axes[n_in:], cfg.lora, jnp.dtype(cfg.dtype)))
+
+
+def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """`y` = x·W of projection `name`, plus its adapter's term if it has one."""
+  adapter = getattr(module, f'{name}_lora', None)
+  return y if adapter is None else y + adapter(x)
 
 
 class RMSNorm(nnx.Module):
@@ -144,11 +183,16 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
       self.v_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
 
+  def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    _add_adapters(self, cfg, rngs, {
+        'q': (1, ('embed', 'heads', None)), 'k': (1, ('embed', 'kv_heads', None)),
+        'v': (1, ('embed', 'kv_heads', None)), 'o': (2, ('heads', None, 'embed'))})
+
   def __call__(self, x, positions, kv_mask, cache, write_index):
     cfg = self.cfg
-    q = jnp.einsum('bld,dhk->blhk', x, self.q[...])
-    k = jnp.einsum('bld,dhk->blhk', x, self.k[...])
-    v = jnp.einsum('bld,dhk->blhk', x, self.v[...])
+    q = _adapted(self, 'q', x, jnp.einsum('bld,dhk->blhk', x, self.q[...]))
+    k = _adapted(self, 'k', x, jnp.einsum('bld,dhk->blhk', x, self.k[...]))
+    v = _adapted(self, 'v', x, jnp.einsum('bld,dhk->blhk', x, self.v[...]))
     if cfg.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -170,7 +214,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum('bhgls,bshk->blhgk', probs, v).reshape(x.shape[0], length, cfg.heads, cfg.head_dim)
-    return jnp.einsum('blhk,hkd->bld', out, self.o[...]), cache
+    return _adapted(self, 'o', out, jnp.einsum('blhk,hkd->bld', out, self.o[...])), cache
 
 
 class MLP(nnx.Module):
@@ -181,8 +225,14 @@ class MLP(nnx.Module):
     self.up = _param(rngs, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
     self.down = _param(rngs, (cfg.mlp, cfg.hidden), ('mlp', 'embed'), cfg.mlp ** -0.5, dt)
 
+  def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    _add_adapters(self, cfg, rngs, {'gate': (1, ('embed', 'mlp')), 'up': (1, ('embed', 'mlp')),
+                                    'down': (1, ('mlp', 'embed'))})
+
   def __call__(self, x):
-    return (jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
+    gate = _adapted(self, 'gate', x, x @ self.gate[...])
+    h = jax.nn.silu(gate) * _adapted(self, 'up', x, x @ self.up[...])
+    return _adapted(self, 'down', h, h @ self.down[...])
 
 
 class Block(nnx.Module):
@@ -214,6 +264,12 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden, cfg.vocab_size), ('embed', 'vocab'),
                             cfg.hidden ** -0.5, dt)
+    # Adapters draw their keys after every base weight: a seed gives the same base
+    # with or without them.
+    if cfg.lora.rank:
+      for block in self.blocks:
+        block.attn.add_adapters(cfg, rngs)
+        block.mlp.add_adapters(cfg, rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
                cache: KVCache | None = None, write_index: jax.Array | int = 0,

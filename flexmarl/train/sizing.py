@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.errors import ConfigError
-from flexmarl.models import sharding, transformer
+from flexmarl.models import lora, sharding, transformer
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig
 
@@ -39,10 +39,10 @@ def param_count(model_cfg: transformer.ModelConfig) -> int:
 
 def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                  grpo_cfg: GRPOConfig) -> int:
-  """Bytes of one agent's state at rest (params, optimizer state, KL reference, RNG),
-  from shapes alone: nothing is allocated or compiled."""
+  """Bytes of one agent's state at rest (params, optimizer state of the trainable
+  params, KL reference, RNG), from shapes alone: nothing is allocated or compiled."""
   params = _abstract_params(model_cfg)
-  opt = jax.eval_shape(make_optimizer(opt_cfg).init, params)
+  opt = jax.eval_shape(make_optimizer(opt_cfg).init, lora.partition(params, model_cfg.lora)[0])
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   trees = [params, opt, rng] + ([params] if grpo_cfg.kl_coef else [])
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize

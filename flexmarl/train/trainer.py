@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from flexmarl.models import sharding, transformer
+from flexmarl.models import lora, sharding, transformer
 from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
@@ -95,6 +95,15 @@ def response_logprobs(graphdef, params, batch: dict, temperature: float,
   return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
 
 
+def _fresh_adapters(model_cfg: transformer.ModelConfig, seed: int) -> dict:
+  """The adapters `Decoder(model_cfg, Rngs(params=seed))` starts with, in host memory;
+  the base weights it would draw are never computed (only the adapters leave the jit)."""
+  init = jax.jit(lambda: lora.partition(
+      nnx.to_pure_dict(nnx.state(transformer.Decoder(model_cfg, nnx.Rngs(params=seed)))),
+      model_cfg.lora)[0])
+  return jax.device_get(init())
+
+
 def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig,
              banned_ids: tuple[int, ...] = ()):
   """Token-summed GRPO loss of one micro-batch, plus summed diagnostics."""
@@ -130,8 +139,10 @@ class AgentTrainer:
                steps: StepCache | None = None, init_params: dict | None = None,
                banned_ids: tuple[int, ...] = ()):
     """`init_params`: starting weights (e.g. from an HF checkpoint, already on the
-    mesh's shardings); by default a random initialisation from `seed`. `banned_ids`:
-    tokens the sampler never draws, left out of the trained distribution too."""
+    mesh's shardings); by default a random initialisation from `seed`. A LoRA model
+    (`model_cfg.lora.rank` > 0) trains only its adapters, which `init_params` may leave
+    out (a base checkpoint): they start fresh from `seed`. `banned_ids`: tokens the
+    sampler never draws, left out of the trained distribution too."""
     self.name = name
     self.grpo_cfg = grpo_cfg
     self.layout = mesh if isinstance(mesh, sharding.MeshLayout) else sharding.layout_of(mesh)
@@ -145,17 +156,21 @@ class AgentTrainer:
       self.graphdef, nnx_state = nnx.split(
           nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(0))))
       params = init_params
+      if model_cfg.lora.rank and not lora.partition(params, model_cfg.lora)[0]:
+        params = lora.combine(_fresh_adapters(model_cfg, seed), params)
+    partition = functools.partial(lora.partition, lora=model_cfg.lora)
 
     def build() -> Steps:
       loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg,
                                banned_ids=tuple(banned_ids))
       specs = sharding.param_specs(nnx_state, self.layout.abstract())
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-      return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef))
+      return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef),
+                         partition, lora.combine)
     self._steps = (StepCache() if steps is None else steps).get(
         (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
     self.state = AgentState(
-        params=params, opt_state=jax.device_get(self.tx.init(params)),
+        params=params, opt_state=jax.device_get(self.tx.init(partition(params)[0])),
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), location=OnHost(),
         # A frozen copy for the KL term: the live params are replaced at every step.
         ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
@@ -266,7 +281,7 @@ class AgentTrainer:
     self._bound()
     divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
     with jax.set_mesh(self.mesh):
-      params, opt_state, grad_norm = self._steps.apply(
+      params, opt_state, grad_norm = self._steps.update(
           self.params, self.opt_state, self.state.grads, np.float32(divisor))
     self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
                                      grads=None)
