@@ -19,6 +19,8 @@ Options from the field, all per agent:
 - DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
   equal (`zero_spread`: their advantages are 0, they teach nothing).
 - An entropy bonus annealed linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
+- No optimizer step from a batch without advantage signal (`skip_without_signal`,
+  on by default; `takes_step`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,26 @@ def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   if not cfg.entropy_decay_steps:
     return cfg.entropy_coef
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
+
+
+def has_signal(advantages) -> bool:
+  """True when some row has a nonzero advantage: the batch says which answers are better."""
+  return bool(np.any(np.asarray(advantages) != 0))
+
+
+def takes_step(cfg: GRPOConfig, signal: bool) -> bool:
+  """Whether a global batch gets an optimizer step; `signal`: `has_signal` of its rows.
+
+  A batch whose groups all had equal rewards has zero advantages; what is left of its
+  gradient is the entropy bonus (and the KL term). Adam divides by the gradient's own
+  scale, so that remainder, however small, still moves every parameter by about a
+  learning rate (measured: the same step for entropy_coef 0.1 and 1e-6), and Adam's
+  momentum moves them on even at a zero gradient. A solved policy, all of whose groups
+  agree, then drifts until an answer flips, and once the wrong answer is certain the
+  groups agree again and GRPO cannot correct it. So such a batch is skipped: no moment
+  update, no parameter change (the agent's version still advances).
+  """
+  return signal or not cfg.skip_without_signal
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

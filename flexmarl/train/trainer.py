@@ -162,6 +162,7 @@ class AgentTrainer:
     self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
     self._tokens = self._rows = 0
+    self._signal = False  # some accumulated row has a nonzero advantage
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
     if isinstance(mesh, Mesh):
       self.bind(mesh)
@@ -248,6 +249,7 @@ class AgentTrainer:
     self._stats.append(stats)
     self._tokens += batch.tokens
     self._rows += batch.rows
+    self._signal = self._signal or grpo.has_signal(batch.advantages)
     return stats
 
   def apply(self) -> dict[str, float]:
@@ -259,24 +261,29 @@ class AgentTrainer:
 
     `params` are the new ones at once (as arrays still being computed);
     the returned function waits for the step and gives its per-token stats. In between
-    the caller may run other work, e.g. a rollout on other devices."""
+    the caller may run other work, e.g. a rollout on other devices. A batch without
+    advantage signal gets no step (`grpo.takes_step`; stats: `skipped_update` 1)."""
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self._bound()
-    divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
-    with jax.set_mesh(self.mesh):
-      params, opt_state, grad_norm = self._steps.apply(
-          self.params, self.opt_state, self.state.grads, np.float32(divisor))
-    self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
-                                     grads=None)
+    step = grpo.takes_step(self.grpo_cfg, self._signal)
+    grad_norm = np.float32(0.0)  # a skipped step applies no gradient
+    if step:
+      divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
+      with jax.set_mesh(self.mesh):
+        params, opt_state, grad_norm = self._steps.apply(
+            self.params, self.opt_state, self.state.grads, np.float32(divisor))
+      self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
+    self.state = dataclasses.replace(self.state, grads=None)
     pending = self._stats
-    self._stats, self._tokens, self._rows = [], 0, 0
+    self._stats, self._tokens, self._rows, self._signal = [], 0, 0, False
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
       out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
-      return dict(out, grad_norm=float(norm), trained_tokens=tokens)
+      return dict(out, grad_norm=float(norm), trained_tokens=tokens,
+                  skipped_update=float(not step))
     return result
 
   # -- checkpoints ----------------------------------------------------------------------
@@ -293,4 +300,4 @@ class AgentTrainer:
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.placement)
-    self._stats, self._tokens = [], 0
+    self._stats, self._tokens, self._rows, self._signal = [], 0, 0, False
