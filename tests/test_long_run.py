@@ -1,10 +1,16 @@
 """Long runs: a solved agent stays solved (no optimizer step without advantage signal),
 and what a run keeps (trace, per-step containers) stays bounded."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 
+from flexmarl.metrics import spans as sp
+from flexmarl.metrics import utilization as ut
+from flexmarl.metrics.spans import Span, TraceWriter, load_spans
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.train import grpo
@@ -100,3 +106,38 @@ def test_the_step_decision_by_hand():
   assert on.skip_without_signal  # the default
   assert grpo.takes_step(on, True) and not grpo.takes_step(on, False)
   assert grpo.takes_step(off, True) and grpo.takes_step(off, False)
+
+
+def test_a_long_trace_keeps_a_window_of_recent_steps_and_stays_valid(tmp_path):
+  path = str(tmp_path / sp.TRACE_FILE)
+  writer = TraceWriter(path, keep_steps=10)
+  writer.write(Span('store:a', sp.STORE_WRITE, 0.0, 0.1, {}))  # names no step: kept
+  sizes = []
+  for step in range(1, 201):
+    for track in ('train:a', 'rollout:a/0', 'rollout:a/1'):
+      writer.write(Span(track, sp.GENERATE, step, step + 0.5, {'step': step}))
+    sizes.append(os.path.getsize(path))
+  assert max(sizes) < 1.6 * sizes[14]  # bounded by 1.5 windows' spans, after the first
+  writer.close()
+  events = json.loads(open(path).read())  # one valid JSON array, as Perfetto reads it
+  steps = sorted({e['args']['step'] for e in events if e['ph'] == 'X' and e['args']})
+  assert steps[-1] == 200 and 10 <= len(steps) <= 15 and steps == list(range(steps[0], 201))
+  names = {e['args']['name'] for e in events if e['ph'] == 'M'}
+  assert names >= {'train:a', 'rollout:a/0', 'rollout:a/1', 'store:a'}  # tracks still named
+  spans = load_spans(path)
+  assert {s.track for s in spans} == {'store:a', 'train:a', 'rollout:a/0', 'rollout:a/1'}
+  # The utilization of the steps kept is that of the same spans never trimmed.
+  full = [Span(t, sp.GENERATE, s, s + 0.5, {'step': s}) for s in steps
+          for t in ('train:a', 'rollout:a/0', 'rollout:a/1')]
+  assert ut.step_report([s for s in spans if s.step]) == ut.step_report(full)
+  # A resumed run keeps the window and appends.
+  writer = TraceWriter(path, resume_step=195, keep_steps=10)
+  writer.write(Span('train:a', sp.GENERATE, 196.0, 196.5, {'step': 196}))
+  writer.close()
+  kept = [s.step for s in load_spans(path) if s.step]
+  assert max(kept) == 196 and kept.count(196) == 1 and min(kept) == steps[0]
+
+
+def test_the_trace_window_is_checked():
+  with pytest.raises(ValueError, match='keep_steps=-1'):
+    TraceWriter('unused.json', keep_steps=-1)
