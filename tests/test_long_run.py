@@ -1,6 +1,7 @@
 """Long runs: a solved agent stays solved (no optimizer step without advantage signal),
 and what a run keeps (trace, per-step containers) stays bounded."""
 
+import concurrent.futures
 import json
 import os
 
@@ -8,12 +9,18 @@ import jax
 import numpy as np
 import pytest
 
+from flexmarl.clock import SimClock
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics import utilization as ut
 from flexmarl.metrics.spans import Span, TraceWriter, load_spans
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
+from flexmarl.rollout import pool as pool_lib
+from flexmarl.rollout.sampler import SampleBatch
+from flexmarl.rollout.spec import SamplingParams
+from flexmarl.train import engine as engine_lib
 from flexmarl.train import grpo
+from flexmarl.train.state import Transfer
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 LR = 3e-3
@@ -141,3 +148,38 @@ def test_a_long_trace_keeps_a_window_of_recent_steps_and_stays_valid(tmp_path):
 def test_the_trace_window_is_checked():
   with pytest.raises(ValueError, match='keep_steps=-1'):
     TraceWriter('unused.json', keep_steps=-1)
+
+
+class _Immediate:
+  """A sampler whose every batch is done at once: one token per row."""
+
+  version = 0
+
+  def submit(self, prompts, keys, params, limits=None):
+    future = concurrent.futures.Future()
+    future.set_result(SampleBatch(np.ones((len(prompts), 1), np.int32),
+                                  np.zeros((len(prompts), 1), np.float32),
+                                  np.ones(len(prompts), np.int32)))
+    return future
+
+
+def test_an_instance_keeps_only_its_recent_batches(monkeypatch):
+  monkeypatch.setattr(pool_lib, 'RECENT', 8)
+  inst = pool_lib.Instance('a/0', (0,), _Immediate())
+  for i in range(50):  # a long run: one batch of one request per step
+    inst.queue.append(pool_lib.Request(i, f'q{i}', 0, 'a', [1], 2, 4, future=None, served=[],
+                                       enqueued=float(i)))
+    inst.submit_next(lambda r, v: np.zeros((r.n, 2), np.uint32), SamplingParams(), 4,
+                     now=i + 0.25)
+    inst.collect(now=i + 0.5)
+  assert len(inst.busy) == len(inst.waits) == 8
+  assert list(inst.busy)[-1] == (49.25, 49.5) and list(inst.waits)[0] == ('a', 0.25)
+
+
+def test_the_training_pool_keeps_only_its_recent_swaps(monkeypatch):
+  monkeypatch.setattr(engine_lib, 'RECENT_SWAPS', 5)
+  engine = engine_lib.TrainingEngine({'a': None}, [], clock=SimClock())
+  for i in range(20):  # a long run: a swap per step
+    engine._record('a', 'pool0', sp.SWAP_IN, Transfer('host', 'mesh', 100 + i, 0.5), 0.0)
+  assert [s['bytes'] for s in engine.log] == list(range(115, 120))
+  assert engine.step_stats('a')['swaps'] == 20  # the per-step sums still count every swap
