@@ -9,7 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.clock import SimClock
+from flexmarl.data.groups import Group
+from flexmarl.data.records import ServedGroup
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics import utilization as ut
 from flexmarl.metrics.spans import Span, TraceWriter, load_spans
@@ -17,7 +20,9 @@ from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import pool as pool_lib
 from flexmarl.rollout.sampler import SampleBatch
+from flexmarl.rollout.pool import InstancePool
 from flexmarl.rollout.spec import SamplingParams
+from flexmarl.team import Agent
 from flexmarl.train import engine as engine_lib
 from flexmarl.train import grpo
 from flexmarl.train.state import Transfer
@@ -26,11 +31,10 @@ from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 LR = 3e-3
 
 
-def _trainer(entropy_coef: float, skip: bool) -> AgentTrainer:
+def _trainer(entropy_coef: float) -> AgentTrainer:
   mesh = sharding.make_mesh(jax.devices()[:1], (1, 1))
   return AgentTrainer('a', ModelConfig(vocab_size=20), OptimizerConfig(learning_rate=LR),
-                      grpo.GRPOConfig(entropy_coef=entropy_coef, skip_without_signal=skip),
-                      mesh, seed=3)
+                      grpo.GRPOConfig(entropy_coef=entropy_coef), mesh, seed=3)
 
 
 def _batch(advantages: np.ndarray) -> TrainBatch:
@@ -62,7 +66,7 @@ def test_without_the_fix_a_batch_without_signal_moves_every_step_by_a_learning_r
     entropy_coef):
   """The flip mechanism: zero advantages leave only the entropy bonus, and Adam turns
   it into a full learning-rate step however small it is (so scaling it does not help)."""
-  t = _trainer(entropy_coef, skip=False)
+  t = _trainer(entropy_coef)
   before = _host(t.params)
   t.accumulate(_batch(ZERO))
   stats = t.apply()
@@ -74,7 +78,7 @@ def test_without_the_fix_a_batch_without_signal_moves_every_step_by_a_learning_r
 def test_without_the_fix_momentum_moves_params_at_a_zero_gradient():
   """Why the fix skips the step instead of zeroing the entropy term: after one real
   update, Adam's momentum alone moves the parameters on a zero gradient."""
-  t = _trainer(0.0, skip=False)
+  t = _trainer(0.0)
   t.accumulate(_batch(SIGNAL))
   t.apply()
   before = _host(t.params)
@@ -83,15 +87,15 @@ def test_without_the_fix_momentum_moves_params_at_a_zero_gradient():
   assert _max_move(before, _host(t.params)) > 0.3 * LR
 
 
-def test_a_batch_without_signal_leaves_params_and_adam_state_unchanged():
-  t = _trainer(0.1, skip=True)
+def test_a_skipped_step_leaves_params_and_adam_state_unchanged():
+  t = _trainer(0.1)
   t.accumulate(_batch(SIGNAL))
   assert t.apply()['skipped_update'] == 0.0
   params, opt_state = _host(t.params), _host(t.opt_state)
   for _ in range(3):  # a solved agent: every group agrees
     t.accumulate(_batch(ZERO[:4]))
     t.accumulate(_batch(ZERO[4:]))
-    stats = t.apply()
+    stats = t.dispatch_apply(step=False)()
     assert stats['skipped_update'] == 1.0 and stats['grad_norm'] == 0.0
     assert stats['trained_tokens'] == 24 and stats['entropy'] > 0  # still measured
   for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(_host(t.params))):
@@ -99,20 +103,21 @@ def test_a_batch_without_signal_leaves_params_and_adam_state_unchanged():
   for x, y in zip(jax.tree.leaves(opt_state), jax.tree.leaves(_host(t.opt_state))):
     np.testing.assert_array_equal(x, y)
   assert t.state.grads is None
-  # One row with signal among micro-batches without: the whole batch steps.
-  t.accumulate(_batch(ZERO))
-  t.accumulate(_batch(SIGNAL))
+  t.accumulate(_batch(SIGNAL))  # the next batch starts from a zero accumulator
   assert t.apply()['skipped_update'] == 0.0
   assert _max_move(params, _host(t.params)) > 0.5 * LR
 
 
 def test_the_step_decision_by_hand():
-  assert not grpo.has_signal(np.zeros(4)) and not grpo.has_signal([])
-  assert grpo.has_signal([0.0, 0.0, -1e-3])
   on, off = grpo.GRPOConfig(), grpo.GRPOConfig(skip_without_signal=False)
   assert on.skip_without_signal  # the default
-  assert grpo.takes_step(on, True) and not grpo.takes_step(on, False)
-  assert grpo.takes_step(off, True) and grpo.takes_step(off, False)
+  zero, right, wrong = np.zeros(4), np.ones(4), np.zeros(4)
+  spread = np.array([0.5, -0.5, 0.5, -0.5])
+  assert not grpo.takes_step(on, [zero, zero], [right, right])  # solved, no signal: skip
+  assert grpo.takes_step(on, [zero, spread], [right, right])  # a row with signal
+  assert grpo.takes_step(on, [zero, zero], [right, wrong])  # all wrong: the bonus explores
+  assert grpo.takes_step(on, [zero], [np.full(4, np.nan)])  # correctness unknown
+  assert grpo.takes_step(off, [zero, zero], [right, right])
 
 
 def test_a_long_trace_keeps_a_window_of_recent_steps_and_stays_valid(tmp_path):
@@ -183,3 +188,30 @@ def test_the_training_pool_keeps_only_its_recent_swaps(monkeypatch):
     engine._record('a', 'pool0', sp.SWAP_IN, Transfer('host', 'mesh', 100 + i, 0.5), 0.0)
   assert [s['bytes'] for s in engine.log] == list(range(115, 120))
   assert engine.step_stats('a')['swaps'] == 20  # the per-step sums still count every swap
+
+
+def test_an_agent_skips_the_step_of_a_solved_batch_and_still_advances_its_version():
+  spec = AgentSpec.from_config('a', agent_config('tiny', group_size=4, global_batch=8,
+                                                 micro_batch=8), 20)
+  trainer = _trainer(0.1)
+  agent = Agent(spec, trainer, InstancePool('a', [], make_sampler=None), checkpointer=None,
+                prompt_len=5, pad_id=0)
+
+  def groups(correct: float, rewards: list[float]) -> list[Group]:
+    out = []
+    for q in range(2):
+      # One version stale, so the served-logprob check (it needs a real sampler) skips it.
+      served = ServedGroup(f'q{q}', 0, 'a', agent.version - 1, [1, 5, 6],
+                           [f'q{q}_0_{j}' for j in range(4)], [np.array([4, 7, 2])] * 4,
+                           [np.full(3, np.log(0.5), np.float32)] * 4)
+      r = np.array(rewards, np.float32)
+      out.append(Group(served, r, grpo.group_advantages(r, 4), np.full(4, correct)))
+    return out
+
+  before = _host(trainer.params)
+  solved = groups(1.0, [1.0] * 4)
+  assert agent.update(solved, [solved])()['skipped_update'] == 1.0 and agent.version == 1
+  assert _max_move(before, _host(trainer.params)) == 0.0
+  wrong = groups(0.0, [0.0] * 4)  # all wrong: the entropy bonus still steps
+  assert agent.update(wrong, [wrong])()['skipped_update'] == 0.0 and agent.version == 2
+  assert _max_move(before, _host(trainer.params)) > 0.5 * LR

@@ -162,7 +162,6 @@ class AgentTrainer:
     self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
     self._tokens = self._rows = 0
-    self._signal = False  # some accumulated row has a nonzero advantage
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
     if isinstance(mesh, Mesh):
       self.bind(mesh)
@@ -249,25 +248,25 @@ class AgentTrainer:
     self._stats.append(stats)
     self._tokens += batch.tokens
     self._rows += batch.rows
-    self._signal = self._signal or grpo.has_signal(batch.advantages)
     return stats
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
     return self.dispatch_apply()()
 
-  def dispatch_apply(self) -> Callable[[], dict[str, float]]:
+  def dispatch_apply(self, step: bool = True) -> Callable[[], dict[str, float]]:
     """Start one optimizer step over everything accumulated, without waiting for it.
 
     `params` are the new ones at once (as arrays still being computed);
     the returned function waits for the step and gives its per-token stats. In between
-    the caller may run other work, e.g. a rollout on other devices. A batch without
-    advantage signal gets no step (`grpo.takes_step`; stats: `skipped_update` 1)."""
+    the caller may run other work, e.g. a rollout on other devices. `step=False`
+    (`grpo.takes_step` says so for a solved batch without signal) drops the
+    accumulated gradient instead: no Adam update, no parameter change; stats say
+    `skipped_update` 1."""
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self._bound()
-    step = grpo.takes_step(self.grpo_cfg, self._signal)
     grad_norm = np.float32(0.0)  # a skipped step applies no gradient
     if step:
       divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
@@ -277,7 +276,7 @@ class AgentTrainer:
       self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
     self.state = dataclasses.replace(self.state, grads=None)
     pending = self._stats
-    self._stats, self._tokens, self._rows, self._signal = [], 0, 0, False
+    self._stats, self._tokens, self._rows = [], 0, 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
@@ -300,4 +299,4 @@ class AgentTrainer:
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.placement)
-    self._stats, self._tokens, self._rows, self._signal = [], 0, 0, False
+    self._stats, self._tokens, self._rows = [], 0, 0
