@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flexmarl.agent_spec import AgentSpec, agent_config
+from flexmarl import workdir
 from flexmarl.clock import SimClock
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
@@ -215,3 +216,11 @@ def test_an_agent_skips_the_step_of_a_solved_batch_and_still_advances_its_versio
   wrong = groups(0.0, [0.0] * 4)  # all wrong: the entropy bonus still steps
   assert agent.update(wrong, [wrong])()['skipped_update'] == 0.0 and agent.version == 2
   assert _max_move(before, _host(trainer.params)) > 0.5 * LR
+
+
+def test_a_run_from_before_these_fields_resumes_with_them():
+  old = {'steps': 10, 'agents': {'a': {'grpo': {'entropy_coef': 0.1}}}}
+  new = {'steps': 10, 'trace_steps': 1000,
+         'agents': {'a': {'grpo': {'entropy_coef': 0.1, 'skip_without_signal': True}}}}
+  refused, harmless = workdir.diff_configs(old, new)
+  assert not refused and set(harmless) == {'trace_steps', 'agents.a.grpo.skip_without_signal'}
