@@ -1,5 +1,6 @@
-"""Long runs: a solved agent stays solved (no optimizer step without advantage signal),
-and what a run keeps (trace, per-step containers) stays bounded."""
+"""Long runs: a solved agent stays solved (no optimizer step from a solved batch
+without advantage signal), and what a run keeps (trace, per-step containers) stays
+bounded."""
 
 import concurrent.futures
 import json
@@ -9,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl import workdir
+from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.clock import SimClock
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
@@ -20,8 +21,8 @@ from flexmarl.metrics.spans import Span, TraceWriter, load_spans
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import pool as pool_lib
-from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.pool import InstancePool
+from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams
 from flexmarl.team import Agent
 from flexmarl.train import engine as engine_lib
