@@ -49,6 +49,9 @@ class TeamSpec:
   placement: placement_lib.Placement
   checkpoint_every: int
   training: TrainingSpec = TrainingSpec()
+  # trace.json keeps the spans of the last trace_steps to 1.5 × trace_steps steps
+  # (0: every step; see flexmarl.metrics.spans): a long run's trace stays openable.
+  trace_steps: int = 1000
 
 
 def part_of_run(steps: ml_collections.FieldReference, num: int = 1, den: int = 1
@@ -186,11 +189,13 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
     training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(
         'training.pool_devices', training.pool_devices))
   whole_number('checkpoint_every', config.checkpoint_every, 1)
+  trace_steps = whole_number('trace_steps', config.get('trace_steps', TeamSpec.trace_steps), 0,
+                             '0 keeps every step')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every,
-                  training=training)
+                  training=training, trace_steps=trace_steps)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,

@@ -50,8 +50,9 @@ class Trainer(Protocol):
     """Add one micro-batch's gradient; `update` is the number of updates before this
     one (schedules such as the entropy bonus's depend on it). Returns its stats."""
 
-  def dispatch_apply(self) -> Callable[[], Stats]:
-    """Start one optimizer step over everything accumulated."""
+  def dispatch_apply(self, step: bool = True) -> Callable[[], Stats]:
+    """Start one optimizer step over everything accumulated (`step=False`: drop it
+    without a step, see `train.grpo.takes_step`)."""
 
   def train_state(self) -> dict:
     """What a checkpoint holds."""

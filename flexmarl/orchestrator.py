@@ -244,7 +244,7 @@ class JointOrchestrator:
     for problem in writer.problems:
       log(f'warning: {problem}')
     trace = os.path.join(self.workdir, spans.TRACE_FILE)
-    self.recorder.write_to(spans.TraceWriter(trace, start_step))
+    self.recorder.write_to(spans.TraceWriter(trace, start_step, self.spec.trace_steps))
     stalls = StallWatch()
     t0 = self.clock.now()
     try:

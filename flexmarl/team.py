@@ -22,6 +22,7 @@ from flexmarl.data.groups import Group
 from flexmarl.interfaces import Checkpointer, Stats, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.rollout.pool import InstancePool
+from flexmarl.train import grpo
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.trainer import TrainBatch
 
@@ -161,16 +162,19 @@ class Agent:
     weights wait for `publish`. Returns a function that waits and gives the stats.
 
     Each row's staleness (versions between the one that sampled it and the parameters
-    it updates) is measured here, where the update happens."""
+    it updates) is measured here, where the update happens. A solved batch without
+    advantage signal takes no optimizer step (`grpo.takes_step`)."""
     t0 = self.clock.now()
     lags = np.array([self.version - g.served.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
     version = self.version
     dispatched = []
+    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch],
+                                 [g.correct for g in batch])
 
     def step() -> None:
-      dispatched.append(self.trainer.dispatch_apply())
+      dispatched.append(self.trainer.dispatch_apply(takes_step))
       # Taken here, before a training pool could swap the state out.
       self._unpublished = Weights(self.trainer.params, version + 1)
       if self.timeline is not None:

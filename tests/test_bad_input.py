@@ -94,6 +94,7 @@ CONFIG_CASES = {
     'agent_not_in_workflow': (_set('agents.idle', agent_config('tiny')),
                               ["['idle']", 'agent_names()', 'never train']),
     'negative_checkpoint_every': (_set('checkpoint_every', -5), ['checkpoint_every']),
+    'negative_trace_steps': (_set('trace_steps', -1), ['trace_steps', '0 keeps every step']),
     'renamed_queries_per_wave': (_set('rollout.queries_per_wave', 4),
                                  ['rollout.queries_per_wave=4', 'renamed', 'query_concurrency']),
     'renamed_max_waves': (_set('rollout.max_waves', 2),

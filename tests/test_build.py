@@ -24,7 +24,8 @@ TOK = build_char_tokenizer()
 
 
 class CountingTrainer:
-  """A trainer whose one parameter counts its optimizer steps."""
+  """A trainer whose one parameter counts its optimizer steps (a step may be skipped:
+  `step=False`, as for a solved batch without signal)."""
 
   batch_multiple = 1
 
@@ -41,8 +42,8 @@ class CountingTrainer:
     self.updates_seen.append(update)
     return {}
 
-  def dispatch_apply(self):
-    self.params = {'w': self.params['w'] + 1}
+  def dispatch_apply(self, step: bool = True):
+    self.params = {'w': self.params['w'] + step}
     self.rows.append(self._rows)
     tokens, self._rows, self._tokens = self._tokens, 0, 0
     return lambda: {'loss': 0.0, 'trained_tokens': tokens}
@@ -137,7 +138,7 @@ def test_a_team_of_fake_parts_trains_publishes_and_resumes(tmp_path):
   assert orch.agents['verifier'].version == 2
   for name, s in samplers:
     assert s.version == orch.agents[name].version
-    assert float(s.weights.params['w']) == orch.agents[name].version
+    assert float(s.weights.params['w']) == float(trainers[name].params['w'])
   # Step 1 runs to max_step_queries (6; the solver's 48 rows do not fill 64); step 2 ends
   # once both batches are full: the verifier's 64 rows after 4 queries.
   assert [l[TEAM]['queries'] for l in lines] == [6, 4]

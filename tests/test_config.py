@@ -156,7 +156,8 @@ def test_default_sections_are_generated_from_the_spec_dataclasses():
   assert (a.group_size, a.global_batch, a.micro_batch) == (8, 64, 16)
   assert set(agent_config().grpo) == {'clip_eps', 'clip_eps_low', 'clip_eps_high', 'kl_coef',
                                       'entropy_coef', 'entropy_decay_steps', 'normalize_std',
-                                      'loss_norm', 'dynamic_sampling'}  # not the derived
+                                      'loss_norm', 'dynamic_sampling',
+                                      'skip_without_signal'}  # not the derived
   c = agent_config()
   c.grpo.clip_eps_high = 0.28
   with pytest.raises(TypeError):

@@ -131,7 +131,7 @@ def test_instances_of_two_agents_generate_at_the_same_time():
   engine.run(Both(), queries)
   [a], [b] = pools['a'].instances, pools['b'].instances
   overlap = lambda x, y: x[0] < y[1] and y[0] < x[1]
-  assert sum(overlap(x, y) for x in a.busy[-4:] for y in b.busy[-4:]) > 0
+  assert sum(overlap(x, y) for x in list(a.busy)[-4:] for y in list(b.busy)[-4:]) > 0
 
 
 def _request(i, cost):

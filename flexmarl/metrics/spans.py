@@ -14,6 +14,10 @@ clock (epoch-anchored for a real run, so resumed segments follow each other on o
 timeline). One file spans all segments of a run: a resumed run drops the spans of
 steps past the restored one (as metrics.jsonl does; that lost time shows as a gap)
 and appends. Each event is one line, so a crash loses at most the line being written.
+
+A long run keeps a window: with `keep_steps` N > 0 the file holds the spans of the
+last N to 1.5 N steps (and every span that names no step): once it holds more, it is
+rewritten with the last N. So it stays a size Perfetto opens, however long the run.
 """
 
 from __future__ import annotations
@@ -80,14 +84,22 @@ def label(span: Span) -> str:
   return ' '.join(parts)
 
 
-class TraceWriter:
-  """Appends spans to a Trace Event JSON file; valid JSON again after `close()`."""
+def _step_of(event: dict) -> int | None:
+  """The step a span event belongs to; None for metadata and spans of no step."""
+  return (event.get('args') or {}).get('step') if event.get('ph') == 'X' else None
 
-  def __init__(self, path: str, resume_step: int = 0):
-    self.path = path
+
+class TraceWriter:
+  """Appends spans to a Trace Event JSON file; valid JSON again after `close()`.
+  `keep_steps` > 0 bounds the file to a window of recent steps (see the module)."""
+
+  def __init__(self, path: str, resume_step: int = 0, keep_steps: int = 0):
+    if keep_steps < 0:
+      raise ValueError(f'TraceWriter(keep_steps={keep_steps}): give the steps to keep, '
+                       'or 0 to keep every step.')
+    self.path, self.keep_steps = path, keep_steps
     events = read_events(path) if resume_step and os.path.exists(path) else []
-    events = [e for e in events if (e.get('args') or {}).get('step', 0) <= resume_step
-              or e.get('ph') != 'X']
+    events = [e for e in events if (_step_of(e) or 0) <= resume_step]
     self._pids: dict[str, int] = {}
     self._tids: dict[str, int] = {}
     for e in events:
@@ -95,12 +107,31 @@ class TraceWriter:
         self._pids[e['args']['name']] = e['pid']
       elif e.get('ph') == 'M' and e['name'] == 'thread_name':
         self._tids[e['args']['name']] = e['tid']
-    tmp = path + '.tmp'
+    self._rewrite(events)
+
+  def _rewrite(self, events: list[dict]) -> None:
+    """Replace the file by `events` (atomically) and append from there on."""
+    tmp = self.path + '.tmp'
     with open(tmp, 'w', encoding='utf-8') as f:
       f.write('[\n' + ''.join(f'{"," if i else ""}{json.dumps(e)}\n' for i, e in enumerate(events)))
-    os.replace(tmp, path)
+    os.replace(tmp, self.path)
+    steps = [s for s in map(_step_of, events) if s is not None]
+    self._oldest = min(steps, default=None)  # the span steps the file holds
+    self._newest = max(steps, default=None)
     self._first = not events
-    self._file = open(path, 'a', encoding='utf-8')
+    self._file = open(self.path, 'a', encoding='utf-8')
+
+  def _keep_window(self) -> None:
+    """Drop the spans of all but the last `keep_steps` steps once the file holds 1.5×
+    that many (so the rewrite's cost is spread over half a window of steps)."""
+    if not self.keep_steps or self._oldest is None:
+      return
+    if self._newest - self._oldest + 1 <= self.keep_steps + self.keep_steps // 2:
+      return
+    self._file.close()
+    first = self._newest - self.keep_steps + 1
+    self._rewrite([e for e in read_events(self.path)
+                   if _step_of(e) is None or _step_of(e) >= first])
 
   def _line(self, event: dict) -> str:
     line = ('' if self._first else ',') + json.dumps(event) + '\n'
@@ -128,6 +159,10 @@ class TraceWriter:
              'dur': round(span.duration * 1e6, 3), 'pid': pid, 'tid': tid, 'args': dict(span.args)}
     self._file.write(meta + self._line(event))
     self._file.flush()
+    if span.step is not None:
+      self._oldest = span.step if self._oldest is None else min(self._oldest, span.step)
+      self._newest = span.step if self._newest is None else max(self._newest, span.step)
+      self._keep_window()
 
   def close(self) -> None:
     if not self._file.closed:
@@ -174,8 +209,9 @@ class SpanRecorder:
     self._lock = threading.Lock()
 
   @classmethod
-  def for_workdir(cls, clock: Clock, workdir: str, resume_step: int = 0) -> SpanRecorder:
-    return cls(clock, TraceWriter(os.path.join(workdir, TRACE_FILE), resume_step))
+  def for_workdir(cls, clock: Clock, workdir: str, resume_step: int = 0,
+                  keep_steps: int = 0) -> SpanRecorder:
+    return cls(clock, TraceWriter(os.path.join(workdir, TRACE_FILE), resume_step, keep_steps))
 
   @contextlib.contextmanager
   def span(self, track: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:

@@ -44,6 +44,11 @@ class Request:
     return [sample_id(self.query_id, self.call, j) for j in range(self.n)]
 
 
+# How many recent batches (and their requests' waits) an Instance keeps for inspection;
+# older ones drop off, so a long run's memory stays flat (the trace has every batch).
+RECENT = 4096
+
+
 def least_loaded(outstanding: Sequence[int]) -> int:
   """The instance to route to: least outstanding tokens, lowest index on ties."""
   return int(np.argmin(outstanding))
@@ -61,8 +66,10 @@ class Instance:
     self.pending: PendingSamples | None = None
     self.version = -1
     self.started = 0.0
-    self.busy: list[tuple[float, float]] = []  # (start, end) of every batch it generated
-    self.waits: list[tuple[str, float]] = []  # (agent, seconds queued) of each request started
+    # (start, end) of its last RECENT batches; (agent, seconds queued) of the requests
+    # they started
+    self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)
+    self.waits: collections.deque[tuple[str, float]] = collections.deque(maxlen=RECENT)
 
   @property
   def outstanding(self) -> int:

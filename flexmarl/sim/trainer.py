@@ -204,9 +204,9 @@ class SimTrainer:
     self._tokens += tokens
     self._micro_batches += 1
 
-  def dispatch_apply(self) -> Callable[[], dict[str, float]]:
+  def dispatch_apply(self, step: bool = True) -> Callable[[], dict[str, float]]:
     """Queue the optimizer step (and a colocated state's offload). The returned function advances the clock to the step's end and gives
-    its stats."""
+    its stats. `step` is ignored: a simulated step costs the same either way."""
     if self._tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     end = self._run(spans.OPTIMIZER_STEP, self.optimizer_s)

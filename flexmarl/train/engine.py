@@ -80,6 +80,9 @@ class PoolTrainer(Protocol):
     ...
 
 
+# How many swaps `TrainingEngine.log` keeps: a long run's memory stays flat.
+RECENT_SWAPS = 4096
+
 # Builds the mesh object a trainer binds to, from a pool mesh and the trainer's layout.
 MakeMesh = Callable[[PoolMesh, sharding.MeshLayout], Any]
 
@@ -109,7 +112,9 @@ class TrainingEngine:
     self.queues = {a: collections.deque() for a in self.trainers}
     self.since = {a: 0 for a in self.trainers}
     self.last_used = {a: 0 for a in self.trainers}
-    self.log: list[dict] = []  # every swap: agent, mesh, direction, bytes, seconds
+    # The last RECENT_SWAPS swaps: agent, mesh, direction, bytes, seconds (every swap is
+    # a span in the trace; step_stats sums them per agent).
+    self.log: collections.deque[dict] = collections.deque(maxlen=RECENT_SWAPS)
     self._stats = {a: self._empty() for a in self.trainers}
     self._tick = 0
     self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}

@@ -19,10 +19,13 @@ Options from the field, all per agent:
 - DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
   equal (`zero_spread`: their advantages are 0, they teach nothing).
 - An entropy bonus annealed linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
+- No optimizer step from a solved batch without advantage signal
+  (`skip_without_signal`, on by default; `takes_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +68,29 @@ def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   if not cfg.entropy_decay_steps:
     return cfg.entropy_coef
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
+
+
+def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
+               correct: Sequence[np.ndarray]) -> bool:
+  """Whether a global batch gets an optimizer step, from its groups' advantages and
+  correctness (1.0 / 0.0 per row, NaN where the workflow did not say).
+
+  A batch whose groups all had equal rewards has zero advantages; what is left of its
+  gradient is the entropy bonus (and the KL term). Adam divides by the gradient's own
+  scale, so that remainder, however small, still moves every parameter by about a
+  learning rate (measured: the same step for entropy_coef 0.1 and 1e-6), and Adam's
+  momentum moves them on even at a zero gradient. A solved policy, all of whose groups
+  agree, then drifts until an answer flips, and once the wrong answer is certain the
+  groups agree again and GRPO cannot correct it. So a batch without signal whose rows
+  are all correct is skipped (no moment update, no parameter change; the agent's
+  version still advances). One with a wrong row still steps: there the entropy bonus is
+  what makes the policy explore again.
+  """
+  if not cfg.skip_without_signal:
+    return True
+  signal = any(np.any(np.asarray(a) != 0) for a in advantages)
+  solved = all(np.all(np.asarray(c) == 1.0) for c in correct)
+  return signal or not solved
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

@@ -57,6 +57,9 @@ class GRPOConfig:
   normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
   loss_norm: str = 'token'  # 'token': / tokens of the global batch; 'constant': Dr. GRPO.
   dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal.
+  # No optimizer step from a batch whose advantages are all 0 and rows all correct
+  # (see grpo.takes_step).
+  skip_without_signal: bool = True
   # From the agent's sampling section:
   temperature: float = dataclasses.field(default=1.0, metadata=DERIVED)  # of the logprobs
   max_new_tokens: int = dataclasses.field(default=0, metadata=DERIVED)  # 'constant' normaliser

@@ -269,29 +269,35 @@ class AgentTrainer:
     """One optimizer step over everything accumulated; returns per-token stats."""
     return self.dispatch_apply()()
 
-  def dispatch_apply(self) -> Callable[[], dict[str, float]]:
+  def dispatch_apply(self, step: bool = True) -> Callable[[], dict[str, float]]:
     """Start one optimizer step over everything accumulated, without waiting for it.
 
     `params` are the new ones at once (as arrays still being computed);
     the returned function waits for the step and gives its per-token stats. In between
-    the caller may run other work, e.g. a rollout on other devices."""
+    the caller may run other work, e.g. a rollout on other devices. `step=False`
+    (`grpo.takes_step` says so for a solved batch without signal) drops the
+    accumulated gradient instead: no Adam update, no parameter change; stats say
+    `skipped_update` 1."""
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
     self._bound()
-    divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
-    with jax.set_mesh(self.mesh):
-      params, opt_state, grad_norm = self._steps.update(
-          self.params, self.opt_state, self.state.grads, np.float32(divisor))
-    self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state,
-                                     grads=None)
+    grad_norm = np.float32(0.0)  # a skipped step applies no gradient
+    if step:
+      divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
+      with jax.set_mesh(self.mesh):
+        params, opt_state, grad_norm = self._steps.update(
+            self.params, self.opt_state, self.state.grads, np.float32(divisor))
+      self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
+    self.state = dataclasses.replace(self.state, grads=None)
     pending = self._stats
     self._stats, self._tokens, self._rows = [], 0, 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
       out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
-      return dict(out, grad_norm=float(norm), trained_tokens=tokens)
+      return dict(out, grad_norm=float(norm), trained_tokens=tokens,
+                  skipped_update=float(not step))
     return result
 
   # -- checkpoints ----------------------------------------------------------------------
@@ -308,4 +314,4 @@ class AgentTrainer:
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.location)
-    self._stats, self._tokens = [], 0
+    self._stats, self._tokens, self._rows = [], 0, 0
