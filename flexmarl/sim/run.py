@@ -41,7 +41,8 @@ from flexmarl.metrics.spans import Span, SpanRecorder
 from flexmarl.metrics.utilization import Usage, critical_path, group_usage, track_usage
 from flexmarl.metrics.writer import TEAM
 from flexmarl.build import build_orchestrator
-from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow, train_tracks
+from flexmarl.sim.placement import train_tracks
+from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow
 from flexmarl.sim.tokenizer import FastCharTokenizer
 from flexmarl.sim.turns import AgentsInTurn
 
