@@ -56,15 +56,15 @@ def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
   # flexmarl, one mesh. Query 0 ends at 3 with a group for each agent:
   #   a: swap in [3, 4], micro-batch [4, 5.2]
   #   b: its micro-batch waits (the mesh holds a's state; a micro-batch is not worth a
-  #      swap). The bind held the rollout: query 1 starts at 4, ends at 7 (a [4, 5],
-  #      b [5, 7]).
+  #      swap); its state is prefetched onto the mesh meanwhile [4, 5]. The bind held
+  #      the rollout: query 1 starts at 4, ends at 7 (a [4, 5], b [5, 7]).
   #   a: micro-batch and step [7, 8.7]
-  #   b: its step is urgent: a leaves once its work is done [8.7, 9.7], b in [9.7, 10.7];
-  #      b's two micro-batches and step [10.7, 17.6]   ->   17.6
+  #   b: its step is urgent: a leaves once its work is done [8.7, 9.7]; b's state is
+  #      there already; b's two micro-batches and step [9.7, 16.6]   ->   16.6
   r = simulate(_pool(), 'flexmarl')
-  assert r.step_times == [pytest.approx(17.6)]
-  # Busy on the mesh: 2.9 + 6.9 s of training over the 17.6 s step.
-  assert r.utilization['train'] == pytest.approx(9.8 / 17.6)
+  assert r.step_times == [pytest.approx(16.6)]
+  # Busy on the mesh: 2.9 + 6.9 s of training over the 16.6 s step.
+  assert r.utilization['train'] == pytest.approx(9.8 / 16.6)
 
 
 def test_first_calls_compile_and_warm_up_steps_are_left_out():

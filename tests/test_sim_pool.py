@@ -42,16 +42,19 @@ EXPECTED = {
     # a: b out, a in; b: c out, b in; c: a out, c in — six swaps of S.
     'sync': [2 * Q + 4 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
              2 * Q + 6 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
-    # Rollout 2Q. a in (S) at 2Q, its work dispatched; b in on pool1 (S) after; c: a out
-    # once a's work is done (2Q + S + 2A + OPT), c in (S), c's work: it ends last.
-    'sync_parallel': [2 * Q + S + (2 * A + OPT) + 2 * S + (2 * C + OPT)],
+    # Rollout 2Q. a in on the empty pool0 (S) at 2Q, its work dispatched; b in on the
+    # empty pool1 (S); c's micro-batches wait (no mesh without a state) while its state
+    # is prefetched onto pool0 (S, over the link a's copy in has left). c's step: a out
+    # once a's work is done (2Q + S + 2A + OPT), S; c's state is there already; c's work.
+    'sync_parallel': [2 * Q + S + (2 * A + OPT) + S + (2 * C + OPT)],
     # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on the empty pool1
     # (S), B; c's micro-batch waits: no mesh without a state, and a micro-batch is not
-    # worth a swap. Only then does the rollout admit query 1 (the binds blocked it), which
-    # ends Q later. a's second micro-batch and step follow on pool0 (its first one is
-    # done); b's on pool1 end before c's. c's step is urgent: a out once its work is done
-    # (S), c in (S), c's two micro-batches and step.
-    'flexmarl': [2 * Q + 2 * S + (A + OPT) + 2 * S + (2 * C + OPT)],
+    # worth a swap; its state is prefetched onto pool0 meanwhile. Only then does the
+    # rollout admit query 1 (the binds blocked it), which ends Q later. a's second
+    # micro-batch and step follow on pool0 (its first one is done); b's on pool1 end
+    # before c's. c's step is urgent: a out once its work is done (S), c's state is on
+    # pool0 already; c's two micro-batches and step.
+    'flexmarl': [2 * Q + 2 * S + (A + OPT) + S + (2 * C + OPT)],
 }
 SWAPS = {'sync': dict(a=2, b=1, c=1), 'sync_parallel': dict(a=2, b=1, c=1),
          'flexmarl': dict(a=2, b=1, c=1)}  # in the first step

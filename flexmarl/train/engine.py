@@ -116,6 +116,7 @@ class TrainingEngine:
     # a span in the trace; step_stats sums them per agent).
     self.log: collections.deque[dict] = collections.deque(maxlen=RECENT_SWAPS)
     self._stats = {a: self._empty() for a in self.trainers}
+    self._prefetched: dict[str, str] = {}  # agent -> the mesh its state is moving onto
     self._tick = 0
     self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}
     self._lock = threading.RLock()
@@ -159,14 +160,19 @@ class TrainingEngine:
         for agent, mesh in self.where.items():
           if mesh is not None and self.queues[agent]:
             self._run_queue(agent)
-        waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a], self.where[a])
+        # A waiting agent whose state is being prefetched onto a mesh counts as there.
+        waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a],
+                           self.where[a] or self._prefetched.get(a))
                    for a, q in self.queues.items() if q]
         free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
                 for m, mesh in self.meshes.items() for a in [self.bound[m]]]
         bindings = allocate(waiting, [m for m in free if m.resident is None])
         if not bindings:  # an urgent agent may take a mesh from one that is not waiting
           must = [w for w in waiting if urgent is None or w.agent in urgent]
-          if not must:
+          if not must:  # the others wait; their states start moving to where they will go
+            plan = allocate(waiting, free)
+            self._prefetch([w for w in waiting if w.agent in plan
+                            and w.agent not in self._prefetched], plan)
             return
           bindings = allocate(must, free)
           if not bindings:
@@ -176,7 +182,8 @@ class TrainingEngine:
         for agent, mesh in bindings.items():
           self._bind(agent, mesh)
         self._prefetch([w for w in sorted(waiting, key=lambda w: (w.since, w.agent))
-                        if w.agent not in bindings], bindings)
+                        if w.agent not in bindings and w.agent not in self._prefetched],
+                       {a: m for a, m in bindings.items()})
 
   def _run_queue(self, agent: str) -> None:
     queue = self.queues[agent]
@@ -190,6 +197,7 @@ class TrainingEngine:
   # -- moves ----------------------------------------------------------------------------
 
   def _bind(self, agent: str, mesh: str) -> None:
+    self._prefetched.pop(agent, None)  # bind takes the prefetched copy if it is this mesh
     resident = self.bound[mesh]
     if resident == agent:
       return
@@ -218,17 +226,21 @@ class TrainingEngine:
           InStorage(os.path.join(self.storage_dir, evicted)))
       self._record(evicted, 'host', spans.SWAP_OUT, transfer, self.clock.now() - start)
 
-  def _prefetch(self, unserved: Sequence[Waiting], bindings: Mapping[str, str]) -> None:
-    """Start moving the next waiting agents onto the meshes just taken (one each):
-    the copy overlaps with the work those meshes now run."""
-    meshes = list(bindings.values())
+  def _prefetch(self, unserved: Sequence[Waiting], targets: Mapping[str, str]) -> None:
+    """Start moving waiting agents onto meshes (one each) that others work on now: the
+    copy overlaps with that work. `targets`: candidate meshes (by agent, for agents
+    with a mesh in view; any agent of the mesh's shape may take one)."""
+    meshes = list(targets.values())
     for w in unserved:
-      mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
+      mesh = targets.get(w.agent)
+      if mesh is None or mesh not in meshes:
+        mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
       if mesh is None:
         continue
       meshes.remove(mesh)
       trainer = self.trainers[w.agent]
       trainer.prefetch(self.mesh(mesh, trainer.layout), self._executor)
+      self._prefetched[w.agent] = mesh
 
   def _record(self, agent: str, mesh: str, name: str, transfer: Transfer, wait_s: float
               ) -> None:
