@@ -165,9 +165,9 @@ def test_advantages_trained_and_stored_are_group_advantages(tmp_path, monkeypatc
   received = []
   original = AgentTrainer.accumulate
 
-  def recording(self, batch):
+  def recording(self, batch, update=0):
     received.append(batch.advantages[batch.response_mask.any(1)])
-    return original(self, batch)
+    return original(self, batch, update)
 
   monkeypatch.setattr(AgentTrainer, 'accumulate', recording)
   c = small_config(steps=2)
