@@ -19,7 +19,7 @@ Fields are overridden with flags, e.g. `--config.steps=50 --config.seed=1`.
 
 import ml_collections
 
-from flexmarl.config import agent_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -32,6 +32,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.tokenizer = 'char'
   config.max_prompt_len = 8
   config.checkpoint_every = 250
+  config.cluster = cluster_config()  # backend=ray: docs/cluster.md
   config.placement = 'fit'  # on too few devices, fit the team to them; 'strict': refuse
   config.trace_steps = 1000  # trace.json keeps the last 1000-1500 steps' spans (0: all)
 

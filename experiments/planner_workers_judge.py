@@ -14,7 +14,7 @@ Each agent trains on one device and rolls out on another (6 devices); on fewer, 
 
 import ml_collections
 
-from flexmarl.config import agent_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -26,6 +26,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.tokenizer = 'char'
   config.max_prompt_len = 10  # 'dbl:3,1?' and BOS
   config.checkpoint_every = 200
+  config.cluster = cluster_config()  # backend=ray: docs/cluster.md
   config.workflow = dict(name='experiments.team_of_three:PlannerWorkersJudge',
                          planner='planner', worker='worker', judge='judge')
   # 8 queries fill every batch: per query 8 planner rows, 2 x 8 worker rows, 8 judge rows.

@@ -10,7 +10,7 @@ both agents (and the tokenizer) at another folder.
 
 import ml_collections
 
-from flexmarl.config import agent_config
+from flexmarl.config import agent_config, cluster_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -22,6 +22,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.tokenizer = checkpoint  # the checkpoint's own tokenizer and special tokens
   config.max_prompt_len = 10
   config.checkpoint_every = 5
+  config.cluster = cluster_config()  # backend=ray: docs/cluster.md
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
   config.rollout = dict(

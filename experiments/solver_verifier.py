@@ -9,7 +9,7 @@ Smoke run: `--config=experiments/solver_verifier.py:runlocal`.
 
 import ml_collections
 
-from flexmarl.config import agent_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -21,6 +21,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.tokenizer = 'char'
   config.max_prompt_len = 10
   config.checkpoint_every = 100
+  config.cluster = cluster_config()  # backend=ray: docs/cluster.md
   config.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                          family='add', task_args={'max_operand': 4})
   config.rollout = rollout_config(devices='separate', query_concurrency=8,  # 2 + 2 devices

@@ -11,11 +11,13 @@ processes. Everything past the factories is the same code for all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from flexmarl import placement as placement_lib
 from flexmarl.clock import Clock
@@ -93,6 +95,35 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
   return agents
 
 
+def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.MeshLayout,
+                  banned_ids: tuple[int, ...], steps: StepCache | None = None) -> AgentTrainer:
+  """An agent's trainer on mesh `where` (or, given a layout, with its state in host
+  memory: a training pool's), started from `a.checkpoint` or a random init from
+  `seed`. The one recipe of a trainer, in this process or in a remote trainer group."""
+  init = None
+  if a.checkpoint and isinstance(where, Mesh):  # read tensor by tensor straight onto the mesh
+    init = hf.load_params(a.checkpoint, a.model,
+                          sharding.param_shardings(hf.abstract_params(a.model)[1], where))
+  elif a.checkpoint:
+    host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+    init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
+        lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
+  return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
+                      init_params=init, banned_ids=banned_ids)
+
+
+def vllm_sampler_on(spec: TeamSpec, name: str, tokenizer: TextTokenizer, workdir: str,
+                    devices: tuple[int, ...], weights: Weights) -> Sampler:
+  """A vLLM engine serving `weights` of agent `name` (rollout.backend=vllm), started from
+  an export of the weights under `workdir`; in this process or a rollout worker's."""
+  from flexmarl.rollout import vllm_sampler  # the optional extra
+  return vllm_sampler.VLLMSampler(
+      spec.agents[name].model, weights.params,
+      workdir=os.path.join(workdir, 'vllm', name, '-'.join(map(str, devices))),
+      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
+      engine=engine_config(**spec.rollout.vllm), version=weights.version)
+
+
 def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
                     devices: Sequence[jax.Device], recorder: spans.SpanRecorder) -> Factories:
   """The parts of a run in this process: trainers on JAX meshes of `devices` (sharing one
@@ -102,21 +133,10 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
 
   def trainer(name: str, a: AgentSpec, index: int,
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
-    init = None
-    if mesh is None:  # a pool trainer's state starts in host memory
-      where = a.layout
-      if a.checkpoint:
-        host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-        init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
-            lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
-    else:
-      where = sharding.make_mesh([by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
-      if a.checkpoint:  # read tensor by tensor straight onto the mesh
-        init = hf.load_params(a.checkpoint, a.model,
-                              sharding.param_shardings(hf.abstract_params(a.model)[1], where))
-    return AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
-                        seed=spec.seed * 1000 + index, steps=steps, init_params=init,
-                        banned_ids=tokenizers[name].banned_ids)
+    where = a.layout if mesh is None else sharding.make_mesh(  # None: a pool trainer
+        [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
+    return agent_trainer(name, a, spec.seed * 1000 + index, where, tokenizers[name].banned_ids,
+                         steps)
 
   def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:
     """A vLLM engine (rollout.backend=vllm, started from an export of the weights), or
@@ -125,16 +145,7 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
     agents does not compile again."""
     tokenizer = tokenizers[name]
     if spec.rollout.backend == 'vllm':
-      from flexmarl.rollout import vllm_sampler  # the optional extra
-      engine = engine_config(**spec.rollout.vllm)
-
-      def make_vllm(devices: tuple[int, ...], weights: Weights) -> Sampler:
-        return vllm_sampler.VLLMSampler(
-            a.model, weights.params,
-            workdir=os.path.join(workdir, 'vllm', name, '-'.join(map(str, devices))),
-            eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-            banned_ids=tokenizer.banned_ids, engine=engine, version=weights.version)
-      return make_vllm
+      return functools.partial(vllm_sampler_on, spec, name, tokenizer, workdir)
     generate_fn = compiled.setdefault(a.model, compile_generate(trainer.graphdef))
     train_devices = () if spec.placement.pool else spec.placement.train[name].devices
 
@@ -166,12 +177,14 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
                    tokenizers: Mapping[str, TextTokenizer], clock: Clock,
                    recorder: spans.SpanRecorder | None) -> RolloutEngine:
   """The team's rollout engine over the agents' instance pools, with the balancer when
-  it is on (embedded instances only: moving a vLLM instance would restart it)."""
+  it is on (embedded instances in this process only: moving a vLLM instance or a Ray
+  worker would restart it)."""
   r = spec.rollout
   balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
                         for n, a in spec.agents.items()},
                        r.balance_threshold, r.balance_cooldown_s)
-              if r.balance and r.backend == 'embedded' else None)
+              if r.balance and r.backend == 'embedded' and spec.cluster.backend == 'local'
+              else None)
   return RolloutEngine(
       {n: a.pool for n, a in agents.items()},
       {n: a.sampling for n, a in spec.agents.items()},

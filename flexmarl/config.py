@@ -17,6 +17,7 @@ import ml_collections
 
 from flexmarl import placement as placement_lib
 from flexmarl.agent_spec import AgentSpec, agent_config
+from flexmarl.cluster.spec import ClusterSpec, cluster_config
 from flexmarl.data.records import parse_sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.rollout import vllm_check
@@ -32,7 +33,7 @@ SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 PLACEMENT_POLICIES = ('fit', 'strict')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
-           'agent_config', 'rollout_config', 'training_config', 'part_of_run',
+           'agent_config', 'rollout_config', 'training_config', 'cluster_config', 'part_of_run',
            'build_team_spec', 'parse_schedule']
 
 
@@ -52,6 +53,7 @@ class TeamSpec:
   # trace.json keeps the spans of the last trace_steps to 1.5 × trace_steps steps
   # (0: every step; see flexmarl.metrics.spans): a long run's trace stays openable.
   trace_steps: int = 1000
+  cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
 
 
 def part_of_run(steps: ml_collections.FieldReference, num: int = 1, den: int = 1
@@ -191,11 +193,17 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   whole_number('checkpoint_every', config.checkpoint_every, 1)
   trace_steps = whole_number('trace_steps', config.get('trace_steps', TeamSpec.trace_steps), 0,
                              '0 keeps every step')
+  cluster = ClusterSpec.from_config(config.get('cluster'))
+  if cluster.backend == 'ray' and placement.pool:
+    fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
+         'meshes shared by the agents); under Ray every agent trains on a mesh of its own: give '
+         'the run enough devices (config.cluster.devices), set config.training.pool_devices=0, '
+         'or use --config.cluster.backend=local.')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every,
-                  training=training, trace_steps=trace_steps)
+                  training=training, trace_steps=trace_steps, cluster=cluster)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,

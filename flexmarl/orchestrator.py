@@ -84,6 +84,7 @@ class JointOrchestrator:
     self.step = 0
     self.next_query = 0
     self._rebalances_logged = 0
+    self.on_close: list[Callable[[], None]] = []  # run by `close`, last
 
   # -- the step context: what a schedule calls ------------------------------------------
 
@@ -273,8 +274,11 @@ class JointOrchestrator:
                          utilization.run_summary(spans.load_spans(trace)), steps=self.step)
 
   def close(self) -> None:
-    """Finish pending checkpoint saves and store writes; release the store."""
+    """Finish pending checkpoint saves and store writes; release the store; then run
+    `on_close` (e.g. stop the run's worker processes)."""
     for agent in self.agents.values():
       agent.close()
     self.journal.close()
     self.recorder.close()
+    for hook in self.on_close:
+      hook()

@@ -33,8 +33,16 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   `workflow`: a Workflow object (see flexmarl.workflows.base); by default the one
   that `config.workflow` names (a built-in, or `package.module:Class`). `experiment`:
   the experiment file, recorded in the workdir. Nothing is written before every check
-  has passed; a workdir that holds another run is refused (flexmarl.workdir).
+  has passed; a workdir that holds another run is refused (flexmarl.workdir). With
+  `config.cluster.backend='ray'` the team's parts start as Ray workers (flexmarl.cluster)
+  and this process only drives them.
   """
+  from flexmarl.cluster.spec import ClusterSpec
+  quiet_logging()
+  cluster_spec = ClusterSpec.from_config(config.get('cluster'))
+  if cluster_spec.backend == 'ray' and not _jax_started():
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # the driver owns no accelerator
+
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
   from flexmarl import gpu_memory
@@ -47,7 +55,6 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow, check_workflow_api
 
-  quiet_logging()
   paths = tokenizer_paths(config)
   loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
   tokenizers = {name: loaded[path] for name, path in paths.items()}
@@ -61,29 +68,49 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   if not started:
     os.environ.update(shares.env())
   devices = jax.devices()
-  spec = build_team_spec(config, vocab, [d.id for d in devices], workflow.agent_names())
-  if devices[0].platform == 'gpu':
-    log(shares.describe())
-    shares.check()
-    if started:
-      log(f'warning: JAX had started before the run was built, so the planned GPU memory '
-          f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')
-    else:
-      stats = devices[0].memory_stats() or {}
-      if stats.get('bytes_limit'):  # JAX's share of one GPU
-        spec = gpu_memory.settle(spec, shares, int(stats['bytes_limit'] / shares.jax))
-  requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
-                            spec.seed)
-  check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
-  for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
-    log(f'warning: {warning}')
-  workdirs.accept_workdir(workdir, config, workflow, experiment)
-  loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))
-  for name, path in paths.items():  # an agent's own tokenizer, beside the team's
-    if path != config.tokenizer:
-      tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
-  return build_orchestrator(spec, workflow, tokenizers, workdir, clock=RealClock(),
-                            devices=devices)
+  cluster = None
+  if cluster_spec.backend == 'ray':  # placement numbers the cluster's devices
+    from flexmarl.cluster.ray_cluster import Cluster
+    cluster = Cluster(cluster_spec, len(devices))
+  try:
+    device_ids = [d.id for d in devices] if cluster is None else list(range(cluster.devices))
+    spec = build_team_spec(config, vocab, device_ids, workflow.agent_names())
+    if cluster is None and devices[0].platform == 'gpu':
+      log(shares.describe())
+      shares.check()
+      if started:
+        log(f'warning: JAX had started before the run was built, so the planned GPU memory '
+            f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')
+      else:
+        stats = devices[0].memory_stats() or {}
+        if stats.get('bytes_limit'):  # JAX's share of one GPU
+          spec = gpu_memory.settle(spec, shares, int(stats['bytes_limit'] / shares.jax))
+    requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
+                              spec.seed)
+    check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
+    for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
+      log(f'warning: {warning}')
+    workdirs.accept_workdir(workdir, config, workflow, experiment)
+    loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))
+    for name, path in paths.items():  # an agent's own tokenizer, beside the team's
+      if path != config.tokenizer:
+        tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
+    if cluster is None:
+      return build_orchestrator(spec, workflow, tokenizers, workdir, clock=RealClock(),
+                                devices=devices)
+    from flexmarl.cluster.remote import ray_factories
+    orchestrator = build_orchestrator(
+        spec, workflow, tokenizers, workdir, clock=RealClock(),
+        factories=lambda recorder: ray_factories(spec, tokenizers, workdir, cluster, recorder))
+    cluster.wait_started()  # every worker process built its trainer or sampler
+  except BaseException:
+    if cluster is not None:
+      cluster.close()
+    raise
+  orchestrator.on_close.append(cluster.close)
+  cluster.save(workdir)
+  log(cluster.describe())
+  return orchestrator
 
 
 def _jax_started() -> bool:
@@ -93,8 +120,20 @@ def _jax_started() -> bool:
 
 
 def train(config, workdir: str, workflow=None, log=print, experiment: str | None = None) -> dict:
-  """Build the team (see `build`) and run it to `config.steps`; returns the summary."""
-  summary = build(config, workdir, workflow, log, experiment).run(log)
+  """Build the team (see `build`) and run it to `config.steps`; returns the summary.
+  On a cluster, a run whose trainer process died resumes from its last checkpoint by
+  itself, up to `config.cluster.run_restarts` times."""
+  from flexmarl.cluster.remote import WorkerLost
+  restarts = config.get('cluster', {}).get('run_restarts', 0)
+  for attempt in range(restarts + 1):
+    try:
+      summary = build(config, workdir, workflow, log, experiment).run(log)
+      break
+    except WorkerLost as e:
+      if attempt == restarts:
+        raise
+      log(f'warning: {e} Resuming from the last checkpoint in {workdir} (restart '
+          f'{attempt + 1} of config.cluster.run_restarts={restarts}).')
   log(format_summary(summary))
   return summary
 

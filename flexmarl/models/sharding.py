@@ -140,5 +140,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, batch_spec(mesh))
 
 
+def global_batch(arrays: dict, mesh: Mesh) -> dict:
+  """Host batch arrays for a step over `mesh`. In one process, as they are (the step
+  places them); across processes (a `jax.distributed` mesh), each process gives its own
+  devices' rows of the batch, which every process holds whole."""
+  if jax.process_count() == 1:
+    return arrays
+  where = batch_sharding(mesh)
+  return {k: jax.make_array_from_callback(x.shape, where, lambda i, x=x: x[i])
+          for k, x in arrays.items()}
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())

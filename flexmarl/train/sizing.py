@@ -37,6 +37,12 @@ def param_count(model_cfg: transformer.ModelConfig) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_abstract_params(model_cfg)))
 
 
+def param_nbytes(model_cfg: transformer.ModelConfig) -> int:
+  """Bytes of the model's parameters (what a weight sync moves), from shapes alone."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(_abstract_params(model_cfg)))
+
+
 def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                  grpo_cfg: GRPOConfig) -> int:
   """Bytes of one agent's state at rest (params, optimizer state of the trainable

@@ -257,7 +257,8 @@ class AgentTrainer:
       if grads is None:
         grads = self._steps.zeros(self.params)
       grads, stats = self._steps.accumulate(
-          self.params, self.ref_params, dataclasses.asdict(batch), grads,
+          self.params, self.ref_params, sharding.global_batch(dataclasses.asdict(batch),
+                                                              self.mesh), grads,
           np.float32(grpo.entropy_coef_at(self.grpo_cfg, update)))
     self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)

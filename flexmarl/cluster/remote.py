@@ -1,0 +1,280 @@
+"""The driver's side of a Ray run: rollout workers behind `Sampler`, trainer groups
+behind `Trainer` and `Checkpointer`, and the factories that hand them to
+`flexmarl.build.build_team`.
+
+Every call to a worker returns at once (a Ray object ref); what the run waits on waits
+with `call_timeout_s` and, past it, names the worker, the call and what to do. Weights
+travel as host arrays that a trainer group puts into Ray's object store once per
+version; every rollout worker of the agent reads them from there (zero-copy between the
+processes of one node). Samples come back to the driver, which stays the experience
+store's one writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flexmarl import placement as placement_lib
+from flexmarl.build import Factories, MakeSampler
+from flexmarl.cluster import nodes as nodes_lib
+from flexmarl.cluster.spec import ClusterSpec
+from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank
+from flexmarl.config import AgentSpec, TeamSpec
+from flexmarl.interfaces import Stats, Weights
+from flexmarl.metrics import spans
+from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
+from flexmarl.team import Timeline
+from flexmarl.tokenizer import TextTokenizer
+from flexmarl.train import sizing
+
+
+class WorkerLost(RuntimeError):
+  """A trainer process died: its group's state is gone, the run resumes from its last
+  checkpoint (`flexmarl.run.train` does so by itself, `cluster.run_restarts` times)."""
+
+
+class WorkerTimeout(RuntimeError):
+  """A worker did not answer within `cluster.call_timeout_s`."""
+
+
+def resolve(ref, who: str, call: str, timeout: float):
+  """`ray.get` with the timeout and the errors a user can act on."""
+  import ray
+  try:
+    return ray.get(ref, timeout=timeout)
+  except ray.exceptions.GetTimeoutError:
+    raise WorkerTimeout(
+        f'{who} did not answer {call} within {timeout:.0f} s (config.cluster.call_timeout_s). '
+        'Check the worker\'s log (Ray session folder, logs/worker-*.err) and its node; raise '
+        'the timeout if the call is just slow (a first compilation, a large checkpoint).'
+    ) from None
+  except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+    raise WorkerLost(f'{who} died during {call} ({type(e).__name__}).') from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+  """A result still being computed in a worker (a Ray object ref). `block_until_ready`
+  lets spans time it like a JAX array; it never raises (the caller's `get` does)."""
+
+  ref: Any
+  nbytes: int = 0  # of the value, when it is an agent's parameters
+
+  def block_until_ready(self) -> Handle:
+    import ray
+    ray.wait([self.ref], num_returns=1, timeout=None, fetch_local=False)
+    return self
+
+
+# -- rollout workers ----------------------------------------------------------------------
+
+
+class _Pending:
+  """A batch in a rollout worker. If the worker dies before answering, the batch is
+  served again by the restarted worker, with the weights it was submitted under: its
+  samples are the ones it would have given (keys are per row)."""
+
+  def __init__(self, sampler: RemoteSampler, args: tuple, weights: Handle, version: int):
+    self.sampler, self.args, self.weights, self.version = sampler, args, weights, version
+    self.ref = sampler.actor.generate.remote(*args)
+
+  def done(self) -> bool:
+    import ray
+    ready, _ = ray.wait([self.ref], num_returns=1, timeout=0, fetch_local=False)
+    return bool(ready)
+
+  def result(self) -> SampleBatch:
+    for attempt in range(self.sampler.cluster.worker_restarts + 1):
+      try:
+        return resolve(self.ref, self.sampler.name, 'generate', self.sampler.cluster.call_timeout_s)
+      except WorkerLost:
+        if attempt == self.sampler.cluster.worker_restarts:
+          raise
+        self.ref = self.sampler.retry(self.args, self.weights, self.version)
+    raise AssertionError('unreachable')
+
+
+class RemoteSampler:
+  """A rollout instance in a worker process of its own (a `Sampler`)."""
+
+  def __init__(self, name: str, actor, cluster: ClusterSpec, weights: Handle, version: int):
+    self.name, self.actor, self.cluster = name, actor, cluster
+    self.weights, self.version = weights, version
+    # Ray restarts a dead worker from its constructor's arguments: keep them alive.
+    self._first = weights
+
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             limits: np.ndarray | None = None) -> PendingSamples:
+    return _Pending(self, (prompts, keys, params, limits), self.weights, self.version)
+
+  def update_weights(self, state: Handle, version: int) -> None:
+    self.weights, self.version = state, version
+    self.actor.update_weights.remote(state.ref, version)
+
+  def retry(self, args: tuple, weights: Handle, version: int):
+    """After a crash (Ray restarted the worker with its first weights): serve `args`
+    under `weights`, then go back to the current ones."""
+    resolve(self.actor.update_weights.remote(weights.ref, version), self.name,
+         'update_weights (after a restart)', self.cluster.call_timeout_s)
+    ref = self.actor.generate.remote(*args)
+    self.actor.update_weights.remote(self.weights.ref, self.version)
+    return ref
+
+  def close(self) -> None:
+    import ray
+    ray.kill(self.actor, no_restart=True)
+
+
+# -- trainer groups ---------------------------------------------------------------------
+
+
+class RemoteTrainer:
+  """An agent's trainer group (a `Trainer`): one actor per process of its mesh, each
+  sent every call with the same arguments. `params` is a `Handle` to the host arrays of
+  the current parameters, fetched once per version. A dead process raises `WorkerLost`
+  (the group's state is gone; the run resumes from its checkpoint)."""
+
+  def __init__(self, name: str, ranks: Sequence[Any], cluster: ClusterSpec, batch_multiple: int,
+               param_bytes: int):
+    self.name, self.ranks, self.cluster = name, list(ranks), cluster
+    self.batch_multiple, self.param_bytes = batch_multiple, param_bytes
+    self._params: Handle | None = None
+    self.lost = False
+
+  def _call(self, method: str, *args) -> list:
+    return [getattr(r, method).remote(*args) for r in self.ranks]
+
+  def get(self, refs: Sequence, call: str) -> list:
+    try:
+      return [resolve(r, f'trainer group of {self.name!r} (rank {i})', call,
+                   self.cluster.call_timeout_s) for i, r in enumerate(refs)]
+    except WorkerLost:
+      self.lost = True
+      raise
+
+  @property
+  def params(self) -> Handle:
+    if self._params is None:
+      self._params = Handle(self._call('host_params')[0], self.param_bytes)
+    return self._params
+
+  def accumulate(self, batch, update: int) -> Handle:
+    import ray
+    ref = ray.put(batch)  # once, read by every rank
+    return Handle(self._call('accumulate', ref, update)[0])
+
+  def dispatch_apply(self, step: bool = True) -> Callable[[], Stats]:
+    refs = self._call('apply', step)
+    self._params = None
+    return lambda: self.get(refs, 'apply')[0]
+
+  def train_state(self) -> RemoteTrainer:
+    """The state stays in the group: checkpoints are written by its ranks
+    (`RemoteCheckpointer`), so the token is the trainer itself."""
+    return self
+
+  def load_train_state(self, state: RemoteTrainer) -> None:
+    if state is not self:
+      raise ValueError(f'agent {self.name!r}: a remote trainer takes only the state its own '
+                       'checkpointer restored.')
+    self._params = None
+
+
+class RemoteCheckpointer:
+  """Orbax checkpoints written and read by the ranks of a trainer group (every rank
+  takes part, as Orbax wants of a multi-process mesh), under the run's workdir on a
+  filesystem every node sees."""
+
+  def __init__(self, trainer: RemoteTrainer, workdir: str):
+    self.trainer = trainer
+    self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints', trainer.name))
+
+  def steps(self) -> list[int]:
+    return self.trainer.get(self.trainer._call('steps'), 'steps')[0]
+
+  def save(self, step: int, train_state: RemoteTrainer, meta: dict) -> None:
+    self.trainer._call('save', step, meta)
+
+  def restore(self, step: int, like: RemoteTrainer) -> tuple[RemoteTrainer, dict]:
+    meta = self.trainer.get(self.trainer._call('restore', step), f'restore({step})')[0]
+    return self.trainer, meta
+
+  def wait(self) -> None:
+    if not self.trainer.lost:
+      self.trainer.get(self.trainer._call('wait'), 'wait (checkpoint save)')
+
+
+# -- wiring -------------------------------------------------------------------------------
+
+
+def _options(slot: nodes_lib.Slot, gpus: bool, restarts: int) -> dict:
+  """Ray actor options: pinned to the slot's node, with its devices set before JAX
+  loads (GPUs through Ray's assignment; CPU devices through XLA_FLAGS)."""
+  from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+  env = {}
+  if not gpus:
+    flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+             if not f.startswith('--xla_force_host_platform_device_count')]
+    env = {'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count='
+                                          f'{len(slot.devices)}']), 'JAX_PLATFORMS': 'cpu'}
+  return dict(num_cpus=0, num_gpus=len(slot.devices) if gpus else 0, max_restarts=restarts,
+              runtime_env={'env_vars': env},
+              scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node.id, soft=False))
+
+
+def start_trainer_group(job: TrainerJob, slots: Sequence[nodes_lib.Slot], gpus: bool,
+                        cluster: ClusterSpec, batch_multiple: int) -> tuple[RemoteTrainer, list]:
+  """One actor per slot, joined into one JAX cluster (rank 0's node hosts its
+  coordinator), each building the agent's trainer on the global mesh. Returns at once:
+  the group, and refs to where each rank runs (ready once it has started); calls sent
+  meanwhile queue behind the start."""
+  import ray
+  rank_cls = ray.remote(TrainerRank)
+  ranks = [rank_cls.options(**_options(s, gpus, 0)).remote(i, len(slots), s.devices)
+           for i, s in enumerate(slots)]
+  group = RemoteTrainer(job.name, ranks, cluster, batch_multiple,
+                        sizing.param_nbytes(job.agent.model))
+  return group, group._call('start', ranks[0].coordinator.remote(), job)
+
+
+def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
+                  cluster, recorder: spans.SpanRecorder) -> Factories:
+  """The parts of a run as Ray actors on `cluster` (a `ray_cluster.Cluster`): a trainer
+  group per training mesh, a rollout worker per instance, all started at once. Every
+  process is recorded in `cluster.processes` (device group → refs to where its ranks
+  run; `Cluster.started_processes` waits for them)."""
+  import ray
+  c = spec.cluster
+  rollout_cls = ray.remote(RolloutWorker)
+
+  def trainer(name: str, a: AgentSpec, index: int,
+              mesh: placement_lib.MeshPlacement | None) -> RemoteTrainer:
+    group = f'train:{name}'
+    slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
+    job = TrainerJob(name, a, spec.seed * 1000 + index, tokenizers[name].banned_ids, workdir)
+    remote, cluster.processes[group] = start_trainer_group(job, slots, cluster.gpus, c,
+                                                           a.layout.batch_multiple)
+    cluster.trainers[name] = remote
+    cluster.actors.extend(remote.ranks)
+    return remote
+
+  def sampler(name: str, a: AgentSpec, trainer: RemoteTrainer) -> MakeSampler:
+    def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
+      group = f'rollout:{name}:{"-".join(map(str, devices))}'
+      slot, = nodes_lib.slots(group, devices, cluster.nodes, 0, True)
+      actor = rollout_cls.options(**_options(slot, cluster.gpus, c.worker_restarts)).remote(
+          spec, name, tokenizers[name], workdir, devices, weights.params.ref, weights.version)
+      remote = RemoteSampler(group, actor, c, weights.params, weights.version)
+      cluster.processes[group] = [actor.where.remote()]
+      cluster.actors.append(actor)
+      return remote
+    return make
+
+  return Factories(trainer, sampler, lambda name: RemoteCheckpointer(cluster.trainers[name],
+                                                                     workdir),
+                   None, lambda name: Timeline(recorder, f'train:{name}'))

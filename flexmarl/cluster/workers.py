@@ -1,0 +1,154 @@
+"""The processes of a Ray run, as plain classes (`remote.py` makes them Ray actors).
+
+Each process sees only its own devices: Ray sets them before JAX loads (the CPU device
+count in `XLA_FLAGS`, or `CUDA_VISIBLE_DEVICES` for its GPUs), and a trainer rank joins
+its group's `jax.distributed` cluster before any other JAX call. Nothing here decides
+anything: the driver sends each call, and a trainer group's ranks all get the same
+calls with the same arguments, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any
+
+import numpy as np
+
+from flexmarl.config import AgentSpec, TeamSpec
+from flexmarl.interfaces import Weights
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
+from flexmarl.tokenizer import TextTokenizer
+
+
+def where(devices: tuple[int, ...]) -> dict[str, Any]:
+  """This process: its node, address, pid, planned and local devices."""
+  import jax
+  import ray
+  return {'node': ray.get_runtime_context().get_node_id()[:12],
+          'address': ray.util.get_node_ip_address(), 'pid': os.getpid(),
+          'devices': list(devices), 'local_devices': [str(d) for d in jax.local_devices()]}
+
+
+class RolloutWorker:
+  """One rollout instance: an embedded sampler (or a vLLM engine) over this process's
+  devices, serving the weights it was last given. A restarted worker (Ray restarts it
+  after a crash) starts again from its first weights; the driver re-sends the current
+  ones before it serves again."""
+
+  def __init__(self, spec: TeamSpec, agent: str, tokenizer: TextTokenizer, workdir: str,
+               devices: tuple[int, ...], weights: dict, version: int):
+    import jax
+
+    from flexmarl.build import vllm_sampler_on
+    from flexmarl.models import hf, sharding
+    from flexmarl.rollout.sampler import EmbeddedSampler
+    self.devices = devices
+    a = spec.agents[agent]
+    if spec.rollout.backend == 'vllm':
+      self.sampler = vllm_sampler_on(spec, agent, tokenizer, workdir, devices,
+                                     Weights(weights, version))
+      return
+    graphdef, abstract = hf.abstract_params(a.model)
+    mesh = sharding.make_mesh(jax.local_devices(), a.mesh_shape, a.mesh_axes)
+    self.sampler = EmbeddedSampler(
+        graphdef, weights, max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
+        batch_multiple=sharding.layout_of(mesh).batch_multiple, version=version,
+        shardings=sharding.param_shardings(abstract, mesh))
+
+  def where(self) -> dict[str, Any]:
+    return where(self.devices)
+
+  def update_weights(self, weights: dict, version: int) -> int:
+    self.sampler.update_weights(weights, version)
+    return version
+
+  def generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+               limits: np.ndarray | None) -> SampleBatch:
+    return self.sampler.submit(prompts, keys, params, limits).result()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerJob:
+  """What every rank of a trainer group builds: agent `name`'s trainer from `agent`,
+  seeded with `seed`, its checkpoints under `workdir`."""
+
+  name: str
+  agent: AgentSpec
+  seed: int
+  banned_ids: tuple[int, ...]
+  workdir: str
+
+
+class TrainerRank:
+  """One process of an agent's trainer group. With several ranks the group is one
+  `jax.distributed` cluster and one global mesh over all their devices; every rank runs
+  every step (JAX's multi-controller model), rank 0 answers with the host values."""
+
+  def __init__(self, rank: int, size: int, devices: tuple[int, ...]):
+    self.rank, self.size, self.devices = rank, size, devices
+    self.trainer = self.checkpointer = None
+
+  def coordinator(self) -> str:
+    """A free address on this node for the group's coordination service (rank 0)."""
+    import ray
+    with socket.socket() as s:
+      s.bind(('', 0))
+      port = s.getsockname()[1]
+    return f'{ray.util.get_node_ip_address()}:{port}'
+
+  def start(self, coordinator: str, job: TrainerJob) -> dict[str, Any]:
+    """Join the group's JAX cluster, then build the trainer on the global mesh."""
+    import jax
+    if self.size > 1:
+      jax.distributed.initialize(coordinator, self.size, self.rank)
+    from flexmarl.build import agent_trainer
+    from flexmarl.models import sharding
+    from flexmarl.train.checkpoint import AgentCheckpointer
+    a = job.agent
+    mesh = sharding.make_mesh(jax.devices(), a.mesh_shape, a.mesh_axes)
+    self.trainer = agent_trainer(job.name, a, job.seed, mesh, job.banned_ids)
+    self.checkpointer = AgentCheckpointer(job.workdir, job.name)
+    return self.where()
+
+  def where(self) -> dict[str, Any]:
+    return where(self.devices)
+
+  def accumulate(self, batch, update: int) -> None:
+    """One micro-batch's gradient; returns once it is computed (the actor runs its calls
+    one after another, so the driver's next call queues behind it, not on it)."""
+    import jax
+    jax.block_until_ready(self.trainer.accumulate(batch, update))
+
+  def apply(self, step: bool) -> dict[str, float]:
+    return self.trainer.dispatch_apply(step)()
+
+  def host_params(self) -> dict | None:
+    """The parameters as host arrays (rank 0; None elsewhere): what rollout workers load."""
+    return _host(self.trainer.params, self.size, self.rank)
+
+  def save(self, step: int, meta: dict) -> None:
+    self.checkpointer.save(step, self.trainer.train_state(), meta)
+
+  def wait(self) -> None:
+    self.checkpointer.wait()
+
+  def steps(self) -> list[int]:
+    return self.checkpointer.steps()
+
+  def restore(self, step: int) -> dict:
+    """Restore checkpoint `step` into the trainer; its metadata."""
+    state, meta = self.checkpointer.restore(step, self.trainer.train_state())
+    self.trainer.load_train_state(state)
+    return meta
+
+
+def _host(params, size: int, rank: int):
+  import jax
+  if size == 1:
+    return jax.device_get(params)
+  from jax.experimental import multihost_utils
+  gathered = multihost_utils.process_allgather(params, tiled=True)
+  return gathered if rank == 0 else None
