@@ -41,12 +41,19 @@ class TrainBatch:
   response_mask: np.ndarray  # [B, T] bool
   behaviour_logprobs: np.ndarray  # [B, T] float32
   advantages: np.ndarray  # [B] float32
+  # [B] bool: rows sampled by the very parameters this batch updates. Their behaviour
+  # logprobs are taken from the trainer (ratio exactly 1): the sampler's agree only to
+  # float rounding, which varies with the shape of the batch it served them in.
+  on_policy: np.ndarray
 
   @classmethod
   def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
                 logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
-                response_len: int, pad_id: int, batch_multiple: int = 1) -> 'TrainBatch':
+                response_len: int, pad_id: int, batch_multiple: int = 1,
+                on_policy: np.ndarray | None = None) -> 'TrainBatch':
     """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
+    `on_policy` [rows]: see the field (default: every row's behaviour logprobs are the
+    sampler's `logprobs`).
 
     Prompt and response widths shrink to the longest row, rounded up to a multiple of
     4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
@@ -64,7 +71,10 @@ class TrainBatch:
       resp[i, :len(r)], rmask[i, :len(r)], blp[i, :len(r)] = r, True, lp
     adv = np.zeros((size,), np.float32)
     adv[:n] = advantages
-    return cls(ids, pmask, resp, rmask, blp, adv)
+    same = np.zeros((size,), bool)
+    if on_policy is not None:
+      same[:n] = on_policy
+    return cls(ids, pmask, resp, rmask, blp, adv, same)
 
   @property
   def tokens(self) -> int:
@@ -113,13 +123,16 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
   if ref_params is not None:
     ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature, banned_ids)
     ref_logp = jax.lax.stop_gradient(ref_logp)
-  per_token = grpo.grpo_token_loss(logp, batch['behaviour_logprobs'], batch['advantages'],
-                                   entropy, ref_logp, cfg, entropy_coef)
-  ratio = jnp.exp(logp - batch['behaviour_logprobs'])
+  behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp),
+                        batch['behaviour_logprobs'])
+  per_token = grpo.grpo_token_loss(logp, behaviour, batch['advantages'], entropy, ref_logp,
+                                   cfg, entropy_coef)
+  served = jnp.exp(logp - batch['behaviour_logprobs'])  # against what the sampler saw
   stats = {
       'entropy': grpo.masked_sum(entropy, mask),
-      'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(ratio, cfg), mask),
-      'ratio_dev': grpo.masked_sum(jnp.abs(ratio - 1.0), mask),
+      'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(jnp.exp(logp - behaviour), cfg),
+                                 mask),
+      'ratio_dev': grpo.masked_sum(jnp.abs(served - 1.0), mask),
   }
   return grpo.masked_sum(per_token, mask), stats
 
