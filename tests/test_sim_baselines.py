@@ -34,6 +34,22 @@ def test_agents_in_turn_roll_out_afresh_for_each_agent():
   assert r.rollout_times == [pytest.approx(12.0)] and r.queries == 4
 
 
+def test_a_variant_override_changes_only_its_variant():
+  # MAS-RL with two queries in flight: both router calls in one batch [0, 1], both
+  # specialist calls [1, 3], so a rollout takes 3 s. Turn a: 3 + 3.4; turn b: 3 + 7.4
+  # -> 16.8. MARTI (colocated) keeps one query at a time: 13.4 as above.
+  setup = _colocated()
+  setup.query_concurrency = 1  # a field is overridden only where the setup has it
+  setup.variant_overrides = dict(agents_in_turn=dict(query_concurrency=2))
+  r = simulate(setup, 'agents_in_turn')
+  assert r.step_times == [pytest.approx(16.8)]
+  assert r.rollout_times == [pytest.approx(6.0)]
+  assert simulate(setup, 'colocated').step_times == [pytest.approx(13.4)]
+  setup.variant_overrides = dict(agents_in_turn=dict(query_concurency=2))
+  with pytest.raises(ValueError, match=r"variant_overrides.agents_in_turn names \['query_concurency'\]"):
+    simulate(setup, 'agents_in_turn')
+
+
 def _pool():
   """Two agents, one training mesh of one device; a swap moves 1 GB at 1 GB/s: 1 s."""
   setup = _setup()

@@ -241,7 +241,8 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
                       micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
                       offload_s=offload_s, compile=(train_compiled, (s.get('model'), devices)),
                       layout=sharding.layout(placement.train[name].shape),
-                      state_bytes=state, storage=storage)
+                      state_bytes=state, storage=storage,
+                      overlapped_swaps=bool(setup.get('overlapped_swaps', False)))
 
   def sampler(name, a, trainer):
     s = setup.agents[name]

@@ -91,7 +91,8 @@ class SimTrainer:
                load_s: float = 0.0, offload_s: float = 0.0,
                compile: tuple[CompileCache, Hashable] | None = None,
                layout: sharding.MeshLayout = sharding.MeshLayout((1, 1), ('data', 'model')),
-               state_bytes: int = 0, storage: Link | None = None):
+               state_bytes: int = 0, storage: Link | None = None,
+               overlapped_swaps: bool = False):
     if min(token_s, optimizer_s, micro_batch_s, load_s, offload_s) < 0:
       raise ValueError(f'SimTrainer {name!r}: token_s={token_s}, optimizer_s={optimizer_s}, '
                        f'micro_batch_s={micro_batch_s}, load_s={load_s}, offload_s={offload_s};'
@@ -100,6 +101,8 @@ class SimTrainer:
     self.token_s, self.optimizer_s, self.micro_batch_s = token_s, optimizer_s, micro_batch_s
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
     self.layout, self.state_bytes, self.storage = layout, state_bytes, storage
+    self.overlapped_swaps = overlapped_swaps
+    self._ready = 0.0  # with overlapped swaps: when the state copied onto its mesh is there
     self.mesh: SimMesh | None = None  # the pool mesh it is bound to
     self._location: Location = OnHost() if group is None else OnMesh(group, {})
     self._incoming: tuple[SimMesh, Location, float, float] | None = None  # a prefetch
@@ -116,7 +119,8 @@ class SimTrainer:
     if self.group is None:
       raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
                          f'{kind(self._location)}): the engine binds it before its work.')
-    return self.group.run(name, seconds, agent=self.name, version=self._update, **args)
+    return self.group.run(name, seconds, self._ready, agent=self.name, version=self._update,
+                          **args)
 
   # -- where the state lives (the engine's PoolTrainer) ---------------------------------
 
@@ -138,11 +142,19 @@ class SimTrainer:
     """Reserve the mesh's link for the state's copy onto it, from host or storage."""
     rate = (self._storage().bytes_per_s if isinstance(self._location, InStorage)
             else mesh.host.bytes_per_s)
-    return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}))
+    return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}), self._ready)
 
   def _wait(self, end: float) -> None:
     if self.clock.now() < end:
       self.clock.advance_to(end)
+
+  def _settle(self, end: float) -> None:
+    """A copy that ends at `end`: wait for it, or, with overlapped swaps, only keep
+    what comes next (work on the mesh, a further copy) from starting before it."""
+    if self.overlapped_swaps:
+      self._ready = end
+    else:
+      self._wait(end)
 
   def prefetch(self, mesh: SimMesh, executor: concurrent.futures.Executor | None = None
                ) -> None:
@@ -154,7 +166,8 @@ class SimTrainer:
 
   def bind(self, mesh: SimMesh) -> Transfer:
     """Copy the state onto `mesh` (or take the prefetched copy) and wait until it is
-    there; a no-op when it is bound there already."""
+    there (with `overlapped_swaps`, return at once: its work on the mesh starts when
+    the copy ends); a no-op when it is bound there already."""
     if self.mesh is mesh:
       return Transfer('mesh', 'mesh', 0, 0.0)
     if self.mesh is not None:
@@ -164,14 +177,15 @@ class SimTrainer:
       end, seconds = incoming[2:]
     else:
       end, seconds = self._copy_in(mesh)
-    self._wait(end)
+    self._settle(end)
     source = kind(self._location)
     self.mesh, self.group, self._location = mesh, mesh.compute, OnMesh(mesh, {})
     return Transfer(source, 'mesh', self.state_bytes, seconds)
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
     """Copy the state off its mesh (once the work dispatched there is done) or from
-    host memory to storage, and wait until it is there."""
+    host memory to storage, and wait until it is there (with `overlapped_swaps`, a copy
+    off the mesh returns at once)."""
     source = self._location
     if source == to:
       return Transfer(kind(source), kind(to), 0, 0.0)
@@ -182,8 +196,9 @@ class SimTrainer:
                                 earliest=self.mesh.compute.busy_until)
     else:
       storage = self._storage()
-      end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to)
-    self._wait(end)
+      end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to,
+                                earliest=self._ready)
+    self._settle(end)
     self.mesh = self.group = None
     self._location = to
     return Transfer(kind(source), kind(to), self.state_bytes, seconds)
