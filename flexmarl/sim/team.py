@@ -26,7 +26,9 @@ default 0: no limit): the most devices one row of a micro-batch keeps busy in tr
 runs no faster). `decode_step_overhead_s` (setup, default 0): latency of a decode step
 beyond reading the weights (costs.decode_rates). `links` (setup): the bandwidths of
 a device's link to host memory and of storage (`host_bytes_per_s_per_device`,
-`storage_bytes_per_s`), for swaps and colocated phase changes; `compile_s` (setup):
+`storage_bytes_per_s`), for swaps and colocated phase changes; `overlapped_swaps`
+(setup, default False: swaps block the orchestrator, as this framework's do) lets
+swaps overlap everything but the mesh's own work (sim.trainer); `compile_s` (setup):
 {train, rollout} seconds of a first call per model and mesh shape.
 """
 

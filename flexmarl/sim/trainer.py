@@ -19,6 +19,12 @@ the mesh is done (the state is its result); `prefetch` only reserves the link, s
 copy overlaps the resident agent's compute. Memory for two states on a mesh at once is
 assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
 
+With `overlapped_swaps` (the paper's engine: "swap cost is hidden behind rollout time"),
+`bind` and `release` return at once: the copy is reserved on the link and only the work
+on the mesh, and the state's next copy, wait for it. Then a swap holds up the training
+but never the rollout, which a blocking swap stalls (the orchestrator that waits for it
+also drives the rollout).
+
 A colocated trainer (rollout and training on the same devices, as hybrid engines do)
 loads its train state onto the devices before the first micro-batch of an update
 (`load_s`) and offloads it after the optimizer step (`offload_s`), so the rollout gets
@@ -82,6 +88,7 @@ class SimTrainer:
   layout: the mesh shape it trains on (a pool binds it to meshes of that shape).
   state_bytes: its train state, what a swap copies; storage: the link that writes host
   states to storage (its bandwidth also that of reads from storage), None: no storage.
+  overlapped_swaps: swaps do not block the caller (see the module doc).
   """
 
   batch_multiple = 1
