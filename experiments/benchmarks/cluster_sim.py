@@ -19,8 +19,8 @@ merchant workload against the ratio of training to rollout time (training made c
 or cheaper than fitted) and against the load skew (the Zipf exponent over the
 specialists), as a PNG.
 
-With --pool_sweep, runs the merchant workload's FlexMARL, its no-pipeline ablation and
-MARTI on fewer training meshes than agents, with swaps that block the orchestrator (as
+With --pool_sweep, runs the merchant workload's FlexMARL and its no-pipeline ablation
+on fewer training meshes than agents (MARTI, colocated, has no training pool), with swaps that block the orchestrator (as
 this framework's do) and overlapped ones (the paper's): whether a shared training pool
 explains the paper's no-pipeline figure.
 """
@@ -138,9 +138,9 @@ def draw_gain_map(path: str) -> None:
 
 def pool_sweep(meshes: list[int]) -> None:
   """The merchant workload on `meshes` training meshes of one node (the rest roll out),
-  swaps blocking or overlapped: FlexMARL, no pipeline and MARTI beside the paper's."""
+  swaps blocking or overlapped: FlexMARL and no pipeline beside the paper's."""
   paper_s = dict(merchant_assistant.get_config().paper.step_time_s)
-  variants = ('flexmarl', 'flexmarl_no_pipeline', 'colocated')
+  variants = ('flexmarl', 'flexmarl_no_pipeline')
   print(f"\npool sweep (merchant, {_STEPS.value} steps): step s of {', '.join(variants)} "
         f"(paper {', '.join(str(paper_s[v]) for v in variants)})")
   for k in meshes:
