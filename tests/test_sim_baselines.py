@@ -46,7 +46,7 @@ def test_a_variant_override_changes_only_its_variant():
   assert r.rollout_times == [pytest.approx(6.0)]
   assert simulate(setup, 'colocated').step_times == [pytest.approx(13.4)]
   setup.variant_overrides = dict(agents_in_turn=dict(query_concurency=2))
-  with pytest.raises(ValueError, match=r"variant_overrides.agents_in_turn names \['query_concurency'\]"):
+  with pytest.raises(ValueError, match=r"agents_in_turn names \['query_concurency'\]"):
     simulate(setup, 'agents_in_turn')
 
 

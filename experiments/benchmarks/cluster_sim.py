@@ -20,9 +20,9 @@ or cheaper than fitted) and against the load skew (the Zipf exponent over the
 specialists), as a PNG.
 
 With --pool_sweep, runs the merchant workload's FlexMARL and its no-pipeline ablation
-on fewer training meshes than agents (MARTI, colocated, has no training pool), with swaps that block the orchestrator (as
-this framework's do) and overlapped ones (the paper's): whether a shared training pool
-explains the paper's no-pipeline figure.
+on fewer training meshes than agents (MARTI, colocated, has no training pool), with
+swaps that block the orchestrator (as this framework's do) and overlapped ones (the
+paper's): whether a shared training pool explains the paper's no-pipeline figure.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ SOURCES = {
     'response_tokens': 'assumed: lognormal, router median 64 (sigma 0.3), specialists 512 '
                        '(sigma 0.6), at most 8192',
     'workflow': 'assumed: a router, then one specialist per query, Zipf-skewed',
+    'team (category)': 'assumed from MAS-RL / MARTI = 3.89 (~1.05 per agent on the merchant): '
+                       'a router + 3 specialists, Qwen2.5-14B, Zipf 0.8',
     'compile_s': 'assumed: 60 s per model and mesh shape, first step only (left out: '
                  'warmup_steps = 1)',
 }
