@@ -83,6 +83,19 @@ def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
   assert r.utilization['train'] == pytest.approx(9.8 / 16.6)
 
 
+def test_overlapped_swaps_leave_the_rollout_alone():
+  # As above with swaps that do not block (the paper's engine). a's bind returns at
+  # once: its copy [3, 4], its micro-batch [4, 5.2]; b's state is prefetched [4, 5].
+  # Query 1 starts at 3, ends at 6. a: micro-batch and step [6, 7.7]. b's step: a's
+  # copy out waits for a's work [7.7, 8.7] but nothing waits for it; b's state is
+  # there already; b's two micro-batches and step [7.7, 14.6]   ->   14.6
+  setup = _pool()
+  setup.overlapped_swaps = True
+  r = simulate(setup, 'flexmarl')
+  assert r.step_times == [pytest.approx(14.6)]
+  assert r.rollout_times == [pytest.approx(6.0)]
+
+
 def test_first_calls_compile_and_warm_up_steps_are_left_out():
   # sync, two steps; compiling costs 1 s for the first micro-batch and 0.5 s for the
   # first generate call (both agents share one kind here: the rates give no model).

@@ -4,7 +4,8 @@ bound by `allocate`, released to host memory and, past the host budget, to stora
 for every schedule.
 
 The engine blocks its caller as the real copies do: a release waits for the work on the
-mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute."""
+mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute (unless
+the trainers' swaps are overlapped, as the paper's are: then nothing blocks)."""
 
 import asyncio
 import tempfile
