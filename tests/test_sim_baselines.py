@@ -34,6 +34,22 @@ def test_agents_in_turn_roll_out_afresh_for_each_agent():
   assert r.rollout_times == [pytest.approx(12.0)] and r.queries == 4
 
 
+def test_a_variant_override_changes_only_its_variant():
+  # MAS-RL with two queries in flight: both router calls in one batch [0, 1], both
+  # specialist calls [1, 3], so a rollout takes 3 s. Turn a: 3 + 3.4; turn b: 3 + 7.4
+  # -> 16.8. MARTI (colocated) keeps one query at a time: 13.4 as above.
+  setup = _colocated()
+  setup.query_concurrency = 1  # a field is overridden only where the setup has it
+  setup.variant_overrides = dict(agents_in_turn=dict(query_concurrency=2))
+  r = simulate(setup, 'agents_in_turn')
+  assert r.step_times == [pytest.approx(16.8)]
+  assert r.rollout_times == [pytest.approx(6.0)]
+  assert simulate(setup, 'colocated').step_times == [pytest.approx(13.4)]
+  setup.variant_overrides = dict(agents_in_turn=dict(query_concurency=2))
+  with pytest.raises(ValueError, match=r"agents_in_turn names \['query_concurency'\]"):
+    simulate(setup, 'agents_in_turn')
+
+
 def _pool():
   """Two agents, one training mesh of one device; a swap moves 1 GB at 1 GB/s: 1 s."""
   setup = _setup()
@@ -65,6 +81,19 @@ def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
   assert r.step_times == [pytest.approx(16.6)]
   # Busy on the mesh: 2.9 + 6.9 s of training over the 16.6 s step.
   assert r.utilization['train'] == pytest.approx(9.8 / 16.6)
+
+
+def test_overlapped_swaps_leave_the_rollout_alone():
+  # As above with swaps that do not block (the paper's engine). a's bind returns at
+  # once: its copy [3, 4], its micro-batch [4, 5.2]; b's state is prefetched [4, 5].
+  # Query 1 starts at 3, ends at 6. a: micro-batch and step [6, 7.7]. b's step: a's
+  # copy out waits for a's work [7.7, 8.7] but nothing waits for it; b's state is
+  # there already; b's two micro-batches and step [7.7, 14.6]   ->   14.6
+  setup = _pool()
+  setup.overlapped_swaps = True
+  r = simulate(setup, 'flexmarl')
+  assert r.step_times == [pytest.approx(14.6)]
+  assert r.rollout_times == [pytest.approx(6.0)]
 
 
 def test_first_calls_compile_and_warm_up_steps_are_left_out():

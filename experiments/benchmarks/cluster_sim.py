@@ -2,7 +2,7 @@
 and where FlexMARL's gain comes from.
 
   python experiments/benchmarks/cluster_sim.py [--setups=merchant,category] [--steps=8]
-      [--gain_map=gain_map.png]
+      [--gain_map=gain_map.png] [--pool_sweep=2,3,4]
 
 Prints per setup: each variant's mean step time (after the warm-up step), the paper's
 figure and the relative error, the rollout time, the critical-path bound, the
@@ -18,6 +18,11 @@ With --gain_map, draws FlexMARL's gain over the colocated baseline (MARTI) on th
 merchant workload against the ratio of training to rollout time (training made costlier
 or cheaper than fitted) and against the load skew (the Zipf exponent over the
 specialists), as a PNG.
+
+With --pool_sweep, runs the merchant workload's FlexMARL and its no-pipeline ablation
+on fewer training meshes than agents (MARTI, colocated, has no training pool), with
+swaps that block the orchestrator (as this framework's do) and overlapped ones (the
+paper's): whether a shared training pool explains the paper's no-pipeline figure.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ _TURN_STEPS = flags.DEFINE_integer('turn_steps', 3, 'Simulated steps of agents_i
                                    'is one rollout and update per agent).')
 _GAIN_MAP = flags.DEFINE_string('gain_map', None, 'Draw the gain map into this PNG.')
 _MAP_STEPS = flags.DEFINE_integer('map_steps', 5, 'Simulated steps per gain-map point.')
+_POOL_SWEEP = flags.DEFINE_list('pool_sweep', [], 'Training meshes (fewer than agents) to '
+                                'try on the merchant workload.')
 
 
 def run_setup(name: str) -> None:
@@ -129,6 +136,28 @@ def draw_gain_map(path: str) -> None:
     print(f'  training x{c:<5} Zipf {s:<4} train/rollout {ratio:6.2f}  gain {gain:5.2f}x')
 
 
+def pool_sweep(meshes: list[int]) -> None:
+  """The merchant workload on `meshes` training meshes of one node (the rest roll out),
+  swaps blocking or overlapped: FlexMARL and no pipeline beside the paper's."""
+  paper_s = dict(merchant_assistant.get_config().paper.step_time_s)
+  variants = ('flexmarl', 'flexmarl_no_pipeline')
+  print(f"\npool sweep (merchant, {_STEPS.value} steps): step s of {', '.join(variants)} "
+        f"(paper {', '.join(str(paper_s[v]) for v in variants)})")
+  for k in meshes:
+    for overlapped in (False, True):
+      steps = []
+      for variant in variants:
+        setup = merchant_assistant.get_config()
+        setup.steps = _STEPS.value
+        setup.training_meshes = setup.cluster.train_nodes = k
+        setup.cluster.rollout_nodes = setup.cluster.nodes - k
+        setup.overlapped_swaps = overlapped
+        steps.append(simulate(setup, variant))
+      print(f"  {k} meshes, swaps {'overlapped' if overlapped else 'blocking ':<10} "
+            + '  '.join(f'{r.variant} {r.step_s:6.1f} (rollout {r.rollout_s:5.1f})'
+                        for r in steps))
+
+
 def main(argv):
   del argv
   for name in _SETUPS.value:
@@ -138,6 +167,8 @@ def main(argv):
     print(f'  {field:<36} {source}')
   if _GAIN_MAP.value:
     draw_gain_map(_GAIN_MAP.value)
+  if _POOL_SWEEP.value:
+    pool_sweep([int(k) for k in _POOL_SWEEP.value])
 
 
 if __name__ == '__main__':

@@ -14,8 +14,8 @@ Config fields the simulator reads: cluster, training_meshes, agents.<name>.{mode
 rollout_tp, train_devices, min_instances, group_size, prompt_tokens, response_tokens},
 workflow, global_batch, micro_batch, query_parallelism, query_concurrency,
 branch_parallelism, balance_threshold, train_mfu, train_recompute, train_devices_per_row,
-decode_step_overhead_s, links, compile_s, warmup_steps, step_query_stride, schedules,
-steps, seed; `paper`
+decode_step_overhead_s, links, compile_s, warmup_steps, step_query_stride,
+variant_overrides, schedules, steps, seed; `paper`
 holds the published figures to compare against.
 """
 
@@ -39,6 +39,9 @@ FIT = dict(
     query_concurrency=48,
     # Training meshes of one node each; the other nodes roll out.
     training_meshes=5,
+    # MAS-RL's queries in flight: it has no parallel sampling of the paper's kind, so it
+    # keeps fewer queries going than FlexMARL and MARTI (a quarter here).
+    in_turn_query_concurrency=12,
 )
 
 SOURCES = {
@@ -52,6 +55,9 @@ SOURCES = {
     'train_recompute': 'assumed: 1 (recomputed old/reference logprobs are inside train_mfu)',
     'decode_step_overhead_s': f'fitted: {FIT["decode_step_overhead_s"]} s',
     'query_concurrency': f'fitted: {FIT["query_concurrency"]} queries in flight',
+    'variant_overrides.agents_in_turn': f'fitted: MAS-RL keeps '
+                                        f'{FIT["in_turn_query_concurrency"]} queries in '
+                                        'flight (no parallel sampling)',
     'rollout_tp': 'assumed: 16 (one instance per node, any model)',
     'train_devices': 'assumed: 16 (one node per training mesh)',
     'train_devices_per_row': 'assumed: 1 (training is data parallel over a micro-batch\'s rows)',
@@ -60,6 +66,8 @@ SOURCES = {
     'response_tokens': 'assumed: lognormal, router median 64 (sigma 0.3), specialists 512 '
                        '(sigma 0.6), at most 8192',
     'workflow': 'assumed: a router, then one specialist per query, Zipf-skewed',
+    'team (category)': 'assumed from MAS-RL / MARTI = 3.89 (~1.05 per agent on the merchant): '
+                       'a router + 3 specialists, Qwen2.5-14B, Zipf 0.8',
     'compile_s': 'assumed: 60 s per model and mesh shape, first step only (left out: '
                  'warmup_steps = 1)',
 }
@@ -105,6 +113,8 @@ def paper_config(team: dict, paper_step_time_s: dict[str, float] | None = None
   config.micro_batch = 16
   config.query_parallelism = 4
   config.query_concurrency = FIT['query_concurrency']
+  config.variant_overrides = dict(
+      agents_in_turn=dict(query_concurrency=FIT['in_turn_query_concurrency']))
   config.branch_parallelism = 16
   config.balance_threshold = 5
   config.train_mfu = FIT['train_mfu']

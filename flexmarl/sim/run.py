@@ -117,11 +117,30 @@ def check_variant(variant: str) -> Variant:
   return VARIANTS[variant]
 
 
+def variant_setup(setup: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+  """The setup as `variant` runs it: `variant_overrides.<variant>` (setup, optional)
+  replaces top-level fields for that variant only (what a baseline does differently,
+  e.g. MAS-RL's fewer queries in flight); only fields the setup has, so that a
+  misspelt one is refused rather than ignored."""
+  overrides = setup.get('variant_overrides', {}).get(variant, {})
+  unknown = sorted(set(overrides) - set(setup.keys()))
+  if unknown:
+    raise ValueError(f'config.variant_overrides.{variant} names {unknown}, which the setup '
+                     f'does not have; override only its top-level fields {sorted(setup.keys())}.')
+  if not overrides:
+    return setup
+  setup = ml_collections.ConfigDict(setup.to_dict())
+  for field, value in overrides.items():
+    setup[field] = value
+  return setup
+
+
 def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None = None
              ) -> SimResult:
   """Run `setup.steps` steps of one schedule in simulated time (spans to
   `workdir/trace.json` when a workdir is given)."""
   v = check_variant(variant)
+  setup = variant_setup(setup, variant)
   warmup = setup.get('warmup_steps', 0)
   if not 0 <= warmup < setup.steps:
     raise ValueError(f'warmup_steps={warmup}: it must leave at least one of the '
