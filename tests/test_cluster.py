@@ -204,6 +204,7 @@ def test_trainer_group_of_two_processes_trains_like_one_process_of_four_devices(
   group, started = start_trainer_group(
       TrainerJob('solver', agent, 7, (), '/tmp/unused'),
       nodes_lib.slots('train:solver', (0, 1, 2, 3), [node], 2, False), False,
+      len(jax.devices()),
       ClusterSpec(call_timeout_s=300.0), 4)
   where = group.get(started, 'start')
   assert [len(w['local_devices']) for w in where] == [2, 2]

@@ -22,6 +22,7 @@ class Cluster:
     cluster without GPUs when `spec.devices` is 0."""
     import ray
     self.spec = spec
+    self.cpu_devices = local_devices  # a CPU worker's XLA client gets as many
     self.started = not ray.is_initialized()
     if self.started:
       if spec.address:

@@ -23,7 +23,7 @@ from flexmarl import placement as placement_lib
 from flexmarl.build import Factories, MakeSampler
 from flexmarl.cluster import nodes as nodes_lib
 from flexmarl.cluster.spec import ClusterSpec
-from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank
+from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank, WeightsMissing
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Stats, Weights
 from flexmarl.metrics import spans
@@ -63,11 +63,12 @@ class Handle:
   lets spans time it like a JAX array; it never raises (the caller's `get` does)."""
 
   ref: Any
+  timeout: float  # the longest wait (config.cluster.call_timeout_s)
   nbytes: int = 0  # of the value, when it is an agent's parameters
 
   def block_until_ready(self) -> Handle:
     import ray
-    ray.wait([self.ref], num_returns=1, timeout=None, fetch_local=False)
+    ray.wait([self.ref], num_returns=1, timeout=self.timeout, fetch_local=False)
     return self
 
 
@@ -75,13 +76,14 @@ class Handle:
 
 
 class _Pending:
-  """A batch in a rollout worker. If the worker dies before answering, the batch is
-  served again by the restarted worker, with the weights it was submitted under: its
-  samples are the ones it would have given (keys are per row)."""
+  """A batch in a rollout worker. If the worker dies before answering, or restarted and
+  lost its weights, the batch is served again by the restarted worker, with the weights
+  it was submitted under: its samples are the ones it would have given (keys are per
+  row)."""
 
   def __init__(self, sampler: RemoteSampler, args: tuple, weights: Handle, version: int):
     self.sampler, self.args, self.weights, self.version = sampler, args, weights, version
-    self.ref = sampler.actor.generate.remote(*args)
+    self.ref = sampler.actor.generate.remote(*args, version)
 
   def done(self) -> bool:
     import ray
@@ -89,13 +91,16 @@ class _Pending:
     return bool(ready)
 
   def result(self) -> SampleBatch:
-    for attempt in range(self.sampler.cluster.worker_restarts + 1):
+    restarts = self.sampler.cluster.worker_restarts
+    for attempt in range(restarts + 1):
       try:
-        return resolve(self.ref, self.sampler.name, 'generate', self.sampler.cluster.call_timeout_s)
-      except WorkerLost:
-        if attempt == self.sampler.cluster.worker_restarts:
+        if attempt:
+          self.ref = self.sampler.retry(self.args, self.weights, self.version)
+        return resolve(self.ref, self.sampler.name, 'generate',
+                       self.sampler.cluster.call_timeout_s)
+      except (WorkerLost, WeightsMissing):
+        if attempt == restarts:
           raise
-        self.ref = self.sampler.retry(self.args, self.weights, self.version)
     raise AssertionError('unreachable')
 
 
@@ -120,8 +125,8 @@ class RemoteSampler:
     """After a crash (Ray restarted the worker with its first weights): serve `args`
     under `weights`, then go back to the current ones."""
     resolve(self.actor.update_weights.remote(weights.ref, version), self.name,
-         'update_weights (after a restart)', self.cluster.call_timeout_s)
-    ref = self.actor.generate.remote(*args)
+            'update_weights (after a restart)', self.cluster.call_timeout_s)
+    ref = self.actor.generate.remote(*args, version)
     self.actor.update_weights.remote(self.weights.ref, self.version)
     return ref
 
@@ -160,13 +165,14 @@ class RemoteTrainer:
   @property
   def params(self) -> Handle:
     if self._params is None:
-      self._params = Handle(self._call('host_params')[0], self.param_bytes)
+      self._params = Handle(self._call('host_params')[0], self.cluster.call_timeout_s,
+                            self.param_bytes)
     return self._params
 
   def accumulate(self, batch, update: int) -> Handle:
     import ray
     ref = ray.put(batch)  # once, read by every rank
-    return Handle(self._call('accumulate', ref, update)[0])
+    return Handle(self._call('accumulate', ref, update)[0], self.cluster.call_timeout_s)
 
   def dispatch_apply(self, step: bool = True) -> Callable[[], Stats]:
     refs = self._call('apply', step)
@@ -212,30 +218,35 @@ class RemoteCheckpointer:
 # -- wiring -------------------------------------------------------------------------------
 
 
-def _options(slot: nodes_lib.Slot, gpus: bool, restarts: int) -> dict:
+def _options(slot: nodes_lib.Slot, gpus: bool, restarts: int, cpu_devices: int) -> dict:
   """Ray actor options: pinned to the slot's node, with its devices set before JAX
-  loads (GPUs through Ray's assignment; CPU devices through XLA_FLAGS)."""
+  loads. GPUs: Ray assigns them (`CUDA_VISIBLE_DEVICES`). CPU: the worker's XLA client
+  gets `cpu_devices` devices, as many as the driver's (XLA's CPU code differs in its
+  last float bits with the device count), and the worker uses the first of them."""
   from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
   env = {}
   if not gpus:
     flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
              if not f.startswith('--xla_force_host_platform_device_count')]
-    env = {'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count='
-                                          f'{len(slot.devices)}']), 'JAX_PLATFORMS': 'cpu'}
+    count = max(cpu_devices, len(slot.devices))
+    env = {'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count={count}']),
+           'JAX_PLATFORMS': 'cpu'}
   return dict(num_cpus=0, num_gpus=len(slot.devices) if gpus else 0, max_restarts=restarts,
               runtime_env={'env_vars': env},
               scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node.id, soft=False))
 
 
 def start_trainer_group(job: TrainerJob, slots: Sequence[nodes_lib.Slot], gpus: bool,
-                        cluster: ClusterSpec, batch_multiple: int) -> tuple[RemoteTrainer, list]:
+                        cpu_devices: int, cluster: ClusterSpec, batch_multiple: int
+                        ) -> tuple[RemoteTrainer, list]:
   """One actor per slot, joined into one JAX cluster (rank 0's node hosts its
   coordinator), each building the agent's trainer on the global mesh. Returns at once:
   the group, and refs to where each rank runs (ready once it has started); calls sent
   meanwhile queue behind the start."""
   import ray
   rank_cls = ray.remote(TrainerRank)
-  ranks = [rank_cls.options(**_options(s, gpus, 0)).remote(i, len(slots), s.devices)
+  counts = tuple(len(s.devices) for s in slots)
+  ranks = [rank_cls.options(**_options(s, gpus, 0, cpu_devices)).remote(i, counts, s.devices)
            for i, s in enumerate(slots)]
   group = RemoteTrainer(job.name, ranks, cluster, batch_multiple,
                         sizing.param_nbytes(job.agent.model))
@@ -257,8 +268,8 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
     group = f'train:{name}'
     slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
     job = TrainerJob(name, a, spec.seed * 1000 + index, tokenizers[name].banned_ids, workdir)
-    remote, cluster.processes[group] = start_trainer_group(job, slots, cluster.gpus, c,
-                                                           a.layout.batch_multiple)
+    remote, cluster.processes[group] = start_trainer_group(
+        job, slots, cluster.gpus, cluster.cpu_devices, c, a.layout.batch_multiple)
     cluster.trainers[name] = remote
     cluster.actors.extend(remote.ranks)
     return remote
@@ -267,7 +278,8 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
     def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
       group = f'rollout:{name}:{"-".join(map(str, devices))}'
       slot, = nodes_lib.slots(group, devices, cluster.nodes, 0, True)
-      actor = rollout_cls.options(**_options(slot, cluster.gpus, c.worker_restarts)).remote(
+      actor = rollout_cls.options(**_options(slot, cluster.gpus, c.worker_restarts,
+                                             cluster.cpu_devices)).remote(
           spec, name, tokenizers[name], workdir, devices, weights.params.ref, weights.version)
       remote = RemoteSampler(group, actor, c, weights.params, weights.version)
       cluster.processes[group] = [actor.where.remote()]

@@ -22,13 +22,18 @@ from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.tokenizer import TextTokenizer
 
 
+class WeightsMissing(RuntimeError):
+  """A rollout worker was asked to serve weights it does not hold (it restarted)."""
+
+
 def where(devices: tuple[int, ...]) -> dict[str, Any]:
   """This process: its node, address, pid, planned and local devices."""
   import jax
   import ray
   return {'node': ray.get_runtime_context().get_node_id()[:12],
           'address': ray.util.get_node_ip_address(), 'pid': os.getpid(),
-          'devices': list(devices), 'local_devices': [str(d) for d in jax.local_devices()]}
+          'devices': list(devices),
+          'local_devices': [str(d) for d in jax.local_devices()[:len(devices)]]}
 
 
 class RolloutWorker:
@@ -51,7 +56,7 @@ class RolloutWorker:
                                      Weights(weights, version))
       return
     graphdef, abstract = hf.abstract_params(a.model)
-    mesh = sharding.make_mesh(jax.local_devices(), a.mesh_shape, a.mesh_axes)
+    mesh = sharding.make_mesh(jax.local_devices()[:len(devices)], a.mesh_shape, a.mesh_axes)
     self.sampler = EmbeddedSampler(
         graphdef, weights, max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
@@ -66,7 +71,11 @@ class RolloutWorker:
     return version
 
   def generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
-               limits: np.ndarray | None) -> SampleBatch:
+               limits: np.ndarray | None, version: int) -> SampleBatch:
+    """Serve the batch with the weights of `version`, or refuse (a restarted worker that
+    missed the driver's last weights)."""
+    if self.sampler.version != version:
+      raise WeightsMissing(f'serving version {self.sampler.version}, asked for {version}')
     return self.sampler.submit(prompts, keys, params, limits).result()
 
 
@@ -87,8 +96,10 @@ class TrainerRank:
   `jax.distributed` cluster and one global mesh over all their devices; every rank runs
   every step (JAX's multi-controller model), rank 0 answers with the host values."""
 
-  def __init__(self, rank: int, size: int, devices: tuple[int, ...]):
-    self.rank, self.size, self.devices = rank, size, devices
+  def __init__(self, rank: int, counts: tuple[int, ...], devices: tuple[int, ...]):
+    """`counts`: how many devices each rank of the group uses (its first local ones)."""
+    self.rank, self.counts, self.devices = rank, counts, devices
+    self.size = len(counts)
     self.trainer = self.checkpointer = None
 
   def coordinator(self) -> str:
@@ -108,7 +119,9 @@ class TrainerRank:
     from flexmarl.models import sharding
     from flexmarl.train.checkpoint import AgentCheckpointer
     a = job.agent
-    mesh = sharding.make_mesh(jax.devices(), a.mesh_shape, a.mesh_axes)
+    mesh = sharding.make_mesh([d for p, k in enumerate(self.counts)
+                               for d in jax.local_devices(process_index=p)[:k]],
+                              a.mesh_shape, a.mesh_axes)
     self.trainer = agent_trainer(job.name, a, job.seed, mesh, job.banned_ids)
     self.checkpointer = AgentCheckpointer(job.workdir, job.name)
     return self.where()
