@@ -34,8 +34,9 @@ from flexmarl.train import sizing
 
 
 class WorkerLost(RuntimeError):
-  """A trainer process died: its group's state is gone, the run resumes from its last
-  checkpoint (`flexmarl.run.train` does so by itself, `cluster.run_restarts` times)."""
+  """A worker process died. A rollout worker's batch is served again after Ray restarts
+  it; a trainer group's state is gone, and the run resumes from its last checkpoint
+  (`flexmarl.run.train` does so by itself, `cluster.run_restarts` times)."""
 
 
 class WorkerTimeout(RuntimeError):
