@@ -113,11 +113,11 @@ def _rows(workdir):
     store.close()
 
 
-def _kill_after_first_step(workdir: str, group: str, killed: list) -> threading.Thread:
-  """SIGKILL the process of `group` (from placement.json) once step 1 is written."""
+def _kill_after(step: int, workdir: str, group: str, killed: list) -> threading.Thread:
+  """SIGKILL the process of `group` (from placement.json) once `step` is written."""
   def watch():
     metrics = os.path.join(workdir, 'metrics.jsonl')
-    while not (os.path.exists(metrics) and '"step": 1' in open(metrics).read()):
+    while not (os.path.exists(metrics) and f'"step": {step}' in open(metrics).read()):
       time.sleep(0.05)
     with open(os.path.join(workdir, placement_lib.FILENAME)) as f:
       pid = json.load(f)['cluster']['processes'][group][0]['pid']
@@ -132,10 +132,12 @@ def _kill_after_first_step(workdir: str, group: str, killed: list) -> threading.
 def runs(tmp_path_factory, ray_nodes):
   out = {'local': str(tmp_path_factory.mktemp('local'))}
   train(_config('sync', 'local'), out['local'], log=lambda *_: None)
-  for schedule, victim in (('sync', 'train:verifier'), ('flexmarl', 'rollout:solver:2')):
+  # The trainer dies after step 2 (its checkpoint 1 is complete), the instance after 1.
+  for schedule, victim, step in (('sync', 'train:verifier', 2),
+                                 ('flexmarl', 'rollout:solver:2', 1)):
     workdir = out[schedule] = str(tmp_path_factory.mktemp(schedule))
     killed, log = [], []
-    thread = _kill_after_first_step(workdir, victim, killed)
+    thread = _kill_after(step, workdir, victim, killed)
     train(_config(schedule, 'ray'), workdir, log=log.append)
     thread.join(timeout=1)
     out[f'{schedule}/killed'], out[f'{schedule}/log'] = killed, log
@@ -157,7 +159,8 @@ def test_ray_run_has_the_parameters_and_rows_of_one_process(runs, schedule):
 def test_a_dead_trainer_resumes_the_run_from_its_checkpoint(runs):
   restarts = [l for l in runs['sync/log'] if 'Resuming from the last checkpoint' in l]
   assert len(restarts) == 1 and "trainer group of 'verifier'" in restarts[0], runs['sync/log']
-  assert any(l.startswith('resumed from step') for l in runs['sync/log'])
+  assert any(l.startswith('resumed from step 1') or l.startswith('resumed from step 2')
+             for l in runs['sync/log']), runs['sync/log']
 
 
 def test_placement_lists_both_nodes_and_work_runs_on_both(runs):
