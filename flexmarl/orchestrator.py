@@ -185,7 +185,9 @@ class JointOrchestrator:
                                    buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():
       agent.checkpointer.wait()
-    self.journal.checkpointed()
+    self.journal.checkpointed(self.step, {n: [s for g in groups for s in g.served.sample_ids]
+                                          for n, groups in carried.items()},
+                              self.spec.store_keep_steps)
 
   # -- a step -------------------------------------------------------------------------
 
@@ -201,7 +203,7 @@ class JointOrchestrator:
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
       line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
-    self.journal.write()
+    self.journal.write(self.step + 1)
     lines[TEAM] = team_line(lines, step_s=step_s, rollout_s=result.rollout_s,
                             queries=result.queries, tokens=result.tokens,
                             rebalances=self._log_rebalances(),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import tensorstore as ts
+
 from flexmarl.store.layout import COMMIT_KEY, FLAT_CHUNK, IX, ROW_CHUNK, Table
 
 _FLAT = {'sample_ids': 'sample_id_start', 'prompt_ids': 'prompt_start',
@@ -33,7 +35,7 @@ def drop_below(table: Table, first: int) -> list[str]:
           for k in range(old.first // ROW_CHUNK, first // ROW_CHUNK)]
   keys += [f'{name}/c/{k}' for name in _FLAT
            for k in range(low[name] // FLAT_CHUNK, high[name] // FLAT_CHUNK)]
-  for future in [table.kv.delete(key) for key in keys]:
+  for future in [table.kv.delete_range(ts.KvStore.KeyRange(key, key + '\0')) for key in keys]:
     future.result()
   return dropped
 
