@@ -53,6 +53,9 @@ class TeamSpec:
   # trace.json keeps the spans of the last trace_steps to 1.5 × trace_steps steps
   # (0: every step; see flexmarl.metrics.spans): a long run's trace stays openable.
   trace_steps: int = 1000
+  # Store retention: at each checkpoint, drop the rows of steps older than the last
+  # store_keep_steps (but those a kept checkpoint carries); 0 keeps every row.
+  store_keep_steps: int = 0
   cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
 
 
@@ -193,6 +196,12 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   whole_number('checkpoint_every', config.checkpoint_every, 1)
   trace_steps = whole_number('trace_steps', config.get('trace_steps', TeamSpec.trace_steps), 0,
                              '0 keeps every step')
+  keep = whole_number('store_keep_steps', config.get('store_keep_steps', 0), 0,
+                      '0 keeps every row')
+  if 0 < keep < config.checkpoint_every:
+    fail('store_keep_steps', keep, f'give 0 (keep every row) or at least checkpoint_every='
+         f'{config.checkpoint_every}: a resume from the previous checkpoint serves the rows '
+         'of up to checkpoint_every steps again and finds them in the store.')
   cluster = ClusterSpec.from_config(config.get('cluster'))
   if cluster.backend == 'ray' and placement.pool:
     fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
@@ -203,7 +212,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every,
-                  training=training, trace_steps=trace_steps, cluster=cluster)
+                  training=training, trace_steps=trace_steps, store_keep_steps=keep,
+                  cluster=cluster)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,

@@ -35,6 +35,7 @@ from flexmarl.interfaces import Stats
 from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
+from flexmarl.metrics.starvation import StarvationWatch
 from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.team import team_line
 from flexmarl.metrics.writer import TEAM, MetricsWriter
@@ -49,10 +50,11 @@ class Rollout:
   """One step's rollout as it streams: iterating gives each query's groups per agent
   (only agents it served), in stream order, each group already journaled; it ends after
   `rollout.max_step_queries` queries. `queries` and `tokens` (response tokens per agent)
-  count what was consumed so far."""
+  count what was consumed so far; `starvation` sees which agents each query reached."""
 
-  def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal):
-    self._results, self._journal = results, journal
+  def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
+               starvation: StarvationWatch):
+    self._results, self._journal, self._starvation = results, journal, starvation
     self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
     self._limit = spec.rollout.max_step_queries
     self.queries = 0
@@ -62,6 +64,8 @@ class Rollout:
     for result in self._results:
       self.queries += 1
       arrival = {n: g for n, g in groups_of(result, self._normalize).items() if g}
+      self._starvation.served({n: min(g.served.call for g in groups)
+                               for n, groups in arrival.items()})
       for name, groups in arrival.items():
         self._journal.record(name, groups)
         self.tokens[name] += sum(len(t) for g in groups for t in g.served.tokens)
@@ -85,6 +89,7 @@ class JointOrchestrator:
     self.next_query = 0
     self._rebalances_logged = 0
     self.on_close: list[Callable[[], None]] = []  # run by `close`, last
+    self.starvation = StarvationWatch(list(spec.agents), spec.rollout.max_step_queries)
 
   # -- the step context: what a schedule calls ------------------------------------------
 
@@ -102,7 +107,7 @@ class JointOrchestrator:
     version), so what a step consumes depends only on the stream."""
     source = ((i, self.query(i)) for i in itertools.count(self.next_query))
     results = self.engine.stream(self.workflow, source)
-    rollout = Rollout(results, self.spec, self.journal)
+    rollout = Rollout(results, self.spec, self.journal, self.starvation)
     try:
       yield rollout
     finally:
@@ -186,7 +191,9 @@ class JointOrchestrator:
                                    buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():
       agent.checkpointer.wait()
-    self.journal.checkpointed()
+    self.journal.checkpointed(self.step, {n: [s for g in groups for s in g.served.sample_ids]
+                                          for n, groups in carried.items()},
+                              self.spec.store_keep_steps)
 
   # -- a step -------------------------------------------------------------------------
 
@@ -202,7 +209,7 @@ class JointOrchestrator:
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
       line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
-    self.journal.write()
+    self.journal.write(self.step + 1)
     lines[TEAM] = team_line(lines, step_s=step_s, rollout_s=result.rollout_s,
                             queries=result.queries, tokens=result.tokens,
                             rebalances=self._log_rebalances(),
@@ -259,6 +266,8 @@ class JointOrchestrator:
                                       values.get('entropy', math.nan), values['accuracy'])
               if warning:
                 log(f'warning: {warning}')
+          for warning in self.starvation.end_step(self.step):
+            log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
             log(format_step(self.step, self.spec.steps, lines))
           if (self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps

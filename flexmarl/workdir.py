@@ -25,10 +25,10 @@ from typing import Any
 CONFIG_FILE, RUN_FILE = 'config.json', 'run.json'
 # Fields a resumed run may change (patterns over dotted field names); any other
 # difference is refused.
-HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'agents.*.optimizer.decay_steps',
-            'agents.*.grpo.entropy_decay_steps', 'agents.*.grpo.skip_without_signal',
-            'agents.*.mesh_shape',
-            'rollout.devices', 'placement',
+HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'store_keep_steps',
+            'agents.*.optimizer.decay_steps', 'agents.*.grpo.entropy_decay_steps',
+            'agents.*.grpo.skip_without_signal', 'agents.*.mesh_shape',
+            'rollout.devices', 'placement', 'cluster.*',
             'rollout.admission')  # removed: runs that set it resume streaming
 
 

@@ -95,6 +95,11 @@ CONFIG_CASES = {
                               ["['idle']", 'agent_names()', 'never train']),
     'negative_checkpoint_every': (_set('checkpoint_every', -5), ['checkpoint_every']),
     'negative_trace_steps': (_set('trace_steps', -1), ['trace_steps', '0 keeps every step']),
+    'negative_store_keep_steps': (_set('store_keep_steps', -1),
+                                  ['store_keep_steps', '0 keeps every row']),
+    'store_keep_steps_below_checkpoint_every': (
+        lambda c: (_set('checkpoint_every', 5)(c), _set('store_keep_steps', 2)(c)),
+        ['store_keep_steps=2', 'checkpoint_every=5']),
     'renamed_queries_per_wave': (_set('rollout.queries_per_wave', 4),
                                  ['rollout.queries_per_wave=4', 'renamed', 'query_concurrency']),
     'renamed_max_waves': (_set('rollout.max_waves', 2),

@@ -99,14 +99,14 @@ class CheckpointWatch:
       watch.saved[agent] = os.path.join(checkpointer.directory, str(step))
       save(checkpointer, step, train_state, meta)
 
-    def on_checkpointed(journal):
+    def on_checkpointed(journal, *args):
       for agent in AGENTS:
         folder = watch.saved.pop(agent, None)
         assert folder and os.path.isdir(folder), (
             f'{agent}: rows marked consumed before the checkpoint that trained on them '
             f'({folder or "none since the last marking"}) was written')
         watch.consumed[agent] = set(watch.trained[agent])
-      checkpointed(journal)
+      checkpointed(journal, *args)
 
     monkeypatch.setattr(Journal, '__init__', init)
     monkeypatch.setattr(Journal, 'trained', on_trained)

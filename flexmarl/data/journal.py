@@ -5,12 +5,19 @@ small), on one background thread, in order, off the rollout's critical path. Row
 are marked consumed once a checkpoint holds the update that trained on them; the
 rows a checkpoint carries over are named by id and read back from the store on
 restore.
+
+What the journal keeps stays bounded: at each checkpoint the store lets go of the ids of
+every row but those the checkpoint carries (see store/ids.py), and with retention
+(`config.store_keep_steps`) it drops the rows of steps older than that many, but those
+the last two checkpoints carry (the checkpointer keeps two; a resume may fall back to the
+older).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +36,10 @@ class Journal:
     self._trained: dict[str, list[str]] = {n: [] for n in agents}
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='store')
     self._writes: list[concurrent.futures.Future] = []
+    # per agent, (step, the table's end after that step's append), oldest first
+    self._ends: dict[str, collections.deque[tuple[int, int]]] = {
+        n: collections.deque() for n in agents}
+    self._carried_before: dict[str, list[str]] = {n: [] for n in agents}
 
   def record(self, name: str, groups: Sequence[Group]) -> None:
     """Queue served rows, with rewards and advantages, for the agent's table."""
@@ -43,26 +54,25 @@ class Journal:
     """Rows an update trained on: consumed once the next checkpoint is written."""
     self._trained[name] += [s for g in groups for s in g.served.sample_ids]
 
-  def write(self) -> None:
-    """Append the queued rows in the background.
+  def write(self, step: int) -> None:
+    """Append the queued rows of step `step` in the background.
 
     A rerun after a crash serves the same queries at the same versions and so draws
     the same rows: their append is a no-op (and raises if anything differs)."""
     self.flush(wait=False)
     for name, rows in self._rows.items():
       if rows:
-        self._writes.append(self._writer.submit(self._append, name, rows,
-                                                None if self.recorder is None
-                                                else self.recorder.step))
+        self._writes.append(self._writer.submit(self._append, name, rows, step))
     self._rows = {n: [] for n in self._rows}
 
-  def _append(self, name: str, rows: Sequence[Row], step: int | None) -> None:
+  def _append(self, name: str, rows: Sequence[Row], step: int) -> None:
     if self.recorder is None:
       self.store.append(name, rows)
-      return
-    with self.recorder.span(f'store:{name}', STORE_WRITE, agent=name, rows=len(rows),
-                            step=step):
-      self.store.append(name, rows)
+    else:
+      with self.recorder.span(f'store:{name}', STORE_WRITE, agent=name, rows=len(rows),
+                              step=step):
+        self.store.append(name, rows)
+    self._ends[name].append((step, self.store.end(name)))
 
   def flush(self, wait: bool = True) -> None:
     """Re-raise any failed append; with `wait`, first let every pending one finish."""
@@ -74,11 +84,23 @@ class Journal:
         pending.append(f)
     self._writes = pending
 
-  def checkpointed(self) -> None:
-    """A checkpoint now holds every update so far: mark their rows consumed."""
+  def checkpointed(self, step: int, carried: Mapping[str, Sequence[str]],
+                   keep_steps: int = 0) -> None:
+    """A checkpoint of step `step`, carrying the rows `carried` (ids per agent), now holds
+    every update so far: mark their rows consumed, let the store forget the other rows'
+    ids, and with `keep_steps` > 0 drop the rows of steps before `step - keep_steps`."""
     for name, ids in self._trained.items():
       self.store.mark_consumed(name, ids)
       ids.clear()
+      keep = list(carried.get(name, ()))
+      self.store.settle(name, keep)
+      ends = self._ends[name]
+      horizon = None
+      while ends and ends[0][0] <= step - keep_steps:
+        horizon = ends.popleft()[1]
+      if keep_steps and horizon is not None:
+        self.store.drop_below(name, horizon, keep=keep + self._carried_before[name])
+      self._carried_before[name] = keep
 
   def close(self) -> None:
     self.flush()

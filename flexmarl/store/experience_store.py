@@ -11,6 +11,8 @@ to `append` or later to `set_field`) and a `consumed` flag.
     store.set_field('solver', ['q7_0_3'], 'reward', [1.0])
     batch = store.read('solver', version=4, ready=('reward',), consumed=False)
     store.mark_consumed('solver', [r.sample_id for r in batch])
+    store.settle('solver')  # ids no longer asked for leave memory (see ids.py)
+    store.drop_below('solver', store.end('solver') - 10_000)  # retention (see retention.py)
 
 The on-disk layout of a table is described in layout.py.
 
@@ -34,8 +36,9 @@ that restarts may resend its last batch; it raises when the row differs.
 Concurrency: one writing process per table (appends and updates of a store object are serialised
 by a lock); any number of processes may read, and they see each commit as it is published. Two
 processes appending to the same table at once would write over each other's uncommitted tails.
-Each process keeps the sample_ids of a table in memory (to find rows and reject duplicates),
-about 100 bytes per row; reopening reads them back once.
+Each process keeps in memory the sample_ids of the rows it appended or looked up since it last
+called `settle` (≈170 bytes a row) and an 8-byte hash of every other row's id (ids.py); reopening
+reads the ids back once. A row dropped by `drop_below` is gone: resending it appends it anew.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ import numpy.typing as npt
 import tensorstore as ts
 
 from flexmarl.store.layout import (
-    BIT, COMMIT_KEY, FLAT_CAPACITY, INDEX_COLS, IX, READY_FIELDS, ROW_CAPACITY,
-    SETTABLE_FIELDS, STATUS_COL, Commit, Table, open_kvstore, open_table, refresh_table,
-    validate_commit)
+    BIT, COMMIT_KEY, READY_FIELDS, SETTABLE_FIELDS, STATUS_COL, Commit, Table, open_kvstore,
+    open_table, refresh_table, settle_stored, validate_commit)
+from flexmarl.store.retention import drop_below
 from flexmarl.store.rows import (
-    Prepared, Row, StoredRow, first_difference, id_list, load_rows, prepare)
+    Prepared, Row, StoredRow, filter_rows, first_difference, id_list, load_rows, prepare,
+    ready_fields)
+from flexmarl.store.writes import update_status, write_tail
 
 __all__ = ['READY_FIELDS', 'SETTABLE_FIELDS', 'ExperienceStore', 'Row', 'StoredRow']
 
@@ -95,6 +100,8 @@ class ExperienceStore:
     root = open_kvstore(location, fsync)
     tables = {agent: open_table(root, agent) for agent in agents}
     recovered = [m for m in (validate_commit(t) for t in tables.values()) if m]
+    for table in tables.values():
+      settle_stored(table)
     return cls(root, tables, recovered)
 
   @property
@@ -130,12 +137,10 @@ class ExperienceStore:
       new = self._drop_resent(table, prepared)
       if not new:
         return 0
-      commit, index = self._write_tail(table, new)
+      commit = write_tail(table, new)
       self._publish(table, commit)
-      table.commit, table.index = commit, np.concatenate([table.index, index])
-      for p in new:
-        table.row_of[p.sample_id] = len(table.sample_ids)
-        table.sample_ids.append(p.sample_id)
+      table.ids.add([p.sample_id for p in new], table.commit.rows)
+      table.commit = commit
       return len(new)
 
   def set_field(self, agent: str, sample_ids: Sequence[str], field: str,
@@ -160,8 +165,8 @@ class ExperienceStore:
       refresh_table(table)
       rows = self._rows_of(table, ids)
       order = np.argsort(rows)
-      self._update_status(table, rows[order], set_bits=BIT[field],
-                          column=STATUS_COL[field], values=vals[order])
+      update_status(table, rows[order], set_bits=BIT[field],
+                    column=STATUS_COL[field], values=vals[order])
 
   def mark_consumed(self, agent: str, sample_ids: Sequence[str], consumed: bool = True) -> None:
     """Sets (or, with consumed=False, clears) the consumed flag of the given rows."""
@@ -170,8 +175,39 @@ class ExperienceStore:
       table = self._table(agent)
       refresh_table(table)
       rows = np.unique(self._rows_of(table, ids))
-      self._update_status(table, rows, set_bits=BIT['consumed'] if consumed else 0,
-                          clear_bits=0 if consumed else BIT['consumed'])
+      update_status(table, rows, set_bits=BIT['consumed'] if consumed else 0,
+                    clear_bits=0 if consumed else BIT['consumed'])
+
+  def settle(self, agent: str, keep: Sequence[str] = ()) -> None:
+    """Lets the ids of `agent`'s rows leave memory, but those of `keep` (rows still to be
+    asked for by id): looking one up later reads ids back from disk (see ids.py). A run
+    settles at every checkpoint, keeping the rows the checkpoint carries."""
+    keep = set(id_list(keep))
+    with self._lock:
+      self._table(agent).ids.settle(keep)
+
+  def drop_below(self, agent: str, row: int, keep: Sequence[str] = ()) -> int:
+    """Retention: deletes `agent`'s rows below row `row` (insertion position, see `end`), but
+    not those from the first row of `keep` on; returns how many rows were dropped. Dropped
+    rows are gone for every reader; rows dropped already stay dropped."""
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+      raise ValueError(f'drop_below(row={row!r}): pass a row position (an int; see end())')
+    ids = id_list(keep)
+    with self._lock:
+      table = self._table(agent)
+      refresh_table(table)
+      if ids:
+        row = min(row, int(self._rows_of(table, ids).min()))
+      dropped = drop_below(table, row)
+      table.ids.forget(dropped, table.commit.first)
+      return len(dropped)
+
+  def end(self, agent: str) -> int:
+    """The committed end of `agent`'s table: the position the next appended row gets."""
+    with self._lock:
+      table = self._table(agent)
+      refresh_table(table)
+      return table.commit.rows
 
   def set_aside(self, agent: str) -> str:
     """Move `agent`'s table (one that cannot be read) to a new name beside it, kept as it
@@ -210,7 +246,8 @@ class ExperienceStore:
     with self._lock:
       table = self._table(agent)
       refresh_table(table)
-      return [s for s in sample_ids if s not in table.row_of]
+      found = self._find(table, id_list(sample_ids))
+      return [s for s in sample_ids if s not in found]
 
   def count(self, agent: str, *, version: int | Iterable[int] | None = None,
             ready: str | Iterable[str] = (), consumed: bool | None = None,
@@ -228,28 +265,36 @@ class ExperienceStore:
                        f'{self.agents!r}; add it to ExperienceStore.open(..., agents=[...])')
     return self._tables[agent]
 
+  def _find(self, table: Table, ids: Sequence[str]) -> dict[str, int]:
+    return table.ids.find(ids, table.commit.first, table.commit.rows, table.read_ids)
+
   def _rows_of(self, table: Table, ids: Sequence[str]) -> np.ndarray:
-    missing = [s for s in ids if s not in table.row_of]
+    found = self._find(table, ids)
+    missing = [s for s in ids if s not in found]
     if missing:
       raise ValueError(f'{len(missing)} sample_id(s) not in table {table.agent!r}, e.g. '
-                       f'{missing[:3]!r}; append the rows first (only committed rows count)')
-    return np.array([table.row_of[s] for s in ids], np.int64)
+                       f'{missing[:3]!r}; append the rows first (only committed rows count, '
+                       'and rows dropped by retention are gone)')
+    return np.array([found[s] for s in ids], np.int64)
 
   def _drop_resent(self, table: Table, prepared: list[Prepared]) -> list[Prepared]:
     """The rows not stored yet; raises on a sample_id stored with different data."""
     seen: set[str] = set()
-    new = []
     for p in prepared:
       if p.sample_id in seen:
         raise ValueError(f'sample_id {p.sample_id!r} appears twice in one append; '
                          'give every sample its own index j in sample_id(query_id, call, j)')
       seen.add(p.sample_id)
-      if p.sample_id not in table.row_of:
+    stored_at = self._find(table, [p.sample_id for p in prepared])
+    new = []
+    for p in prepared:
+      if p.sample_id not in stored_at:
         new.append(p)
         continue
-      row = table.row_of[p.sample_id]
+      row = stored_at[p.sample_id]
+      index = table.arrays['index'][row:row + 1].read().result()
       status = table.arrays['status'][row:row + 1].read().result()
-      stored = load_rows(table, table.index, np.array([row]), status)[0]
+      stored = load_rows(table, index, np.array([row]), status)[0]
       differs = first_difference(p, stored)
       if differs:
         raise ValueError(f'sample_id {p.sample_id!r} is already stored with a different '
@@ -257,95 +302,22 @@ class ExperienceStore:
                          'or set_field to change reward/advantage')
     return new
 
-  def _write_tail(self, table: Table, new: list[Prepared]) -> tuple[Commit, np.ndarray]:
-    """Writes `new` past the committed end of every array; returns their commit and index."""
-    old = table.commit
-    index = np.zeros((len(new), len(INDEX_COLS)), np.int64)
-    data = {}
-    sample_id_bytes = [np.frombuffer(p.sample_id_bytes, np.uint8) for p in new]
-    for name, start_col, values in (
-        ('sample_ids', 'sample_id_start', sample_id_bytes),
-        ('prompt_ids', 'prompt_start', [p.prompt_ids for p in new]),
-        ('response_ids', 'response_start', [p.response_ids for p in new])):
-      lengths = np.array([len(v) for v in values], np.int64)
-      index[:, IX[start_col]] = getattr(old, name) + np.cumsum(lengths) - lengths
-      index[:, IX[start_col] + 1] = lengths
-      data[name] = np.concatenate(values)
-    data['logprobs'] = np.concatenate([p.logprobs for p in new])
-    index[:, IX['policy_version']] = [p.policy_version for p in new]
-    status = np.zeros((len(new), len(STATUS_COL)), np.uint32)
-    for i, p in enumerate(new):
-      status[i, 0] = BIT['tokens'] | BIT['logprobs']
-      for field in SETTABLE_FIELDS:
-        value = getattr(p, field)
-        if value is not None:
-          status[i, 0] |= BIT[field]
-          status[i, STATUS_COL[field]] = np.float32(value).view(np.uint32)
-    commit = Commit(rows=old.rows + len(new),
-                    sample_ids=old.sample_ids + len(data['sample_ids']),
-                    prompt_ids=old.prompt_ids + len(data['prompt_ids']),
-                    response_ids=old.response_ids + len(data['response_ids']))
-    if commit.rows > ROW_CAPACITY or max(commit.sample_ids, commit.prompt_ids,
-                                          commit.response_ids) > FLAT_CAPACITY:
-      raise ValueError(f'table {table.agent!r} is full ({commit}); start a new store location')
-    arrays = table.arrays
-    flat_start = {'sample_ids': old.sample_ids, 'prompt_ids': old.prompt_ids,
-                  'response_ids': old.response_ids, 'logprobs': old.response_ids}
-    writes = [arrays[name][start:start + len(data[name])].write(data[name])
-              for name, start in flat_start.items()]
-    writes.append(arrays['index'][old.rows:commit.rows].write(index))
-    writes.append(arrays['status'][old.rows:commit.rows].write(status))
-    for write in writes:  # all durable before the commit names them
-      write.result()
-    return commit, index
-
   def _publish(self, table: Table, commit: Commit) -> None:
     """The commit point of an append: one atomic write of one small key."""
     table.kv.write(COMMIT_KEY, commit.to_json()).result()
-
-  def _update_status(self, table: Table, rows: np.ndarray, *, set_bits: int = 0,
-                     clear_bits: int = 0, column: int | None = None,
-                     values: np.ndarray | None = None) -> None:
-    """Read-modify-write of whole status rows, so each row's flags and value land together."""
-    if not len(rows):
-      return
-    status = table.arrays['status']
-    current = status[rows].read().result()
-    current[:, 0] = (current[:, 0] | set_bits) & ~np.uint32(clear_bits)
-    if column is not None:
-      current[:, column] = values.astype(np.float32).view(np.uint32)
-    status[rows].write(current).result()
 
   def _select(self, agent: str, version: int | Iterable[int] | None,
               ready: str | Iterable[str], consumed: bool | None,
               sample_ids: Sequence[str] | None, need_status: bool
               ) -> tuple[Table, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(table, index snapshot, selected rows ascending, their status rows or None)."""
-    ready = (ready,) if isinstance(ready, str) else tuple(ready)
-    for field in ready:
-      if field not in READY_FIELDS:
-        raise ValueError(f'ready={ready!r}: unknown field {field!r}; fields with a ready flag '
-                         f'are {READY_FIELDS}')
-    if consumed is not None and not isinstance(consumed, (bool, np.bool_)):
-      raise ValueError(f'consumed={consumed!r}: pass True, False or None (either)')
+    """(table, the selected rows' index rows (when needed), selected rows ascending, their
+    status rows or None)."""
+    ready = ready_fields(ready, consumed)
     with self._lock:
       table = self._table(agent)
       refresh_table(table)
-      index = table.index
       if sample_ids is None:
-        rows = np.arange(len(index), dtype=np.int64)
+        rows = np.arange(table.commit.first, table.commit.rows, dtype=np.int64)
       else:
         rows = np.unique(self._rows_of(table, id_list(sample_ids)))
-    if version is not None:
-      versions = [version] if isinstance(version, (int, np.integer)) else list(version)
-      rows = rows[np.isin(index[rows, IX['policy_version']], versions)]
-    status = None
-    if len(rows) and (need_status or ready or consumed is not None):
-      status = table.arrays['status'][rows[0]:rows[-1] + 1].read().result()[rows - rows[0]]
-      keep = np.ones(len(rows), bool)
-      required = sum(BIT[f] for f in set(ready))
-      keep &= (status[:, 0] & required) == required
-      if consumed is not None:
-        keep &= ((status[:, 0] & BIT['consumed']) != 0) == bool(consumed)
-      rows, status = rows[keep], status[keep]
-    return table, index, rows, status
+    return (table, *filter_rows(table, rows, version, ready, consumed, need_status))

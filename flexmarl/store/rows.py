@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -123,12 +123,51 @@ def first_difference(p: Prepared, stored: StoredRow) -> str | None:
   return None
 
 
-def load_rows(table: Table, index: np.ndarray, rows: np.ndarray,
+def ready_fields(ready: str | Iterable[str], consumed: bool | None) -> tuple[str, ...]:
+  """Checks the `ready` and `consumed` filters of a read; returns `ready` as a tuple."""
+  ready = (ready,) if isinstance(ready, str) else tuple(ready)
+  for field in ready:
+    if field not in READY_FIELDS:
+      raise ValueError(f'ready={ready!r}: unknown field {field!r}; fields with a ready flag '
+                       f'are {READY_FIELDS}')
+  if consumed is not None and not isinstance(consumed, (bool, np.bool_)):
+    raise ValueError(f'consumed={consumed!r}: pass True, False or None (either)')
+  return ready
+
+
+def filter_rows(table: Table, rows: np.ndarray, version: int | Iterable[int] | None,
+                ready: tuple[str, ...], consumed: bool | None, need_status: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """Of `rows` (ascending), those that match every filter: (their index rows, or none when
+  neither needed nor read; the rows; their status rows, or None when not needed)."""
+  index = np.zeros((0, len(IX)), np.int64)
+  if len(rows) and (need_status or version is not None):
+    index = table.arrays['index'][rows[0]:rows[-1] + 1].read().result()[rows - rows[0]]
+  if version is not None:
+    versions = [version] if isinstance(version, (int, np.integer)) else list(version)
+    keep = np.isin(index[:, IX['policy_version']], versions)
+    rows, index = rows[keep], index[keep]
+  status = None
+  if len(rows) and (need_status or ready or consumed is not None):
+    status = table.arrays['status'][rows[0]:rows[-1] + 1].read().result()[rows - rows[0]]
+    required = sum(BIT[f] for f in set(ready))
+    keep = (status[:, 0] & required) == required
+    if consumed is not None:
+      keep &= ((status[:, 0] & BIT['consumed']) != 0) == bool(consumed)
+    rows, status = rows[keep], status[keep]
+    if len(index):
+      index = index[keep]
+  return index, rows, status
+
+
+def load_rows(table: Table, idx: np.ndarray, rows: np.ndarray,
               status: np.ndarray | None) -> list[StoredRow]:
-  """StoredRows for `rows` (ascending) with their `status` rows: reads the token spans."""
+  """StoredRows for `rows` (ascending) with their `index` rows `idx` and `status` rows: reads
+  the sample_ids and token spans."""
   if not len(rows):
     return []
-  idx = index[rows]
+  (sample_ids,) = _read_slices([table.arrays['sample_ids']], idx[:, IX['sample_id_start']],
+                               idx[:, IX['sample_id_len']])
   (prompts,) = _read_slices([table.arrays['prompt_ids']], idx[:, IX['prompt_start']],
                             idx[:, IX['prompt_len']])
   responses, logprobs = _read_slices(
@@ -141,7 +180,7 @@ def load_rows(table: Table, index: np.ndarray, rows: np.ndarray,
     ready = frozenset(f for f in READY_FIELDS if flags[i] & BIT[f])
     scalars = {f: float(values[f][i]) if f in ready else None for f in SETTABLE_FIELDS}
     out.append(StoredRow(
-        sample_id=table.sample_ids[row], policy_version=int(idx[i, IX['policy_version']]),
+        sample_id=sample_ids[i].tobytes().decode(), policy_version=int(idx[i, IX['policy_version']]),
         prompt_ids=prompts[i], response_ids=responses[i], logprobs=logprobs[i], **scalars,
         index=int(row), ready=ready, consumed=bool(flags[i] & BIT['consumed'])))
   return out
