@@ -40,9 +40,10 @@ def param_count(model_cfg: transformer.ModelConfig) -> int:
 def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                  grpo_cfg: GRPOConfig) -> int:
   """Bytes of one agent's state at rest (params, optimizer state of the trainable
-  params, KL reference, RNG), from shapes alone: nothing is allocated or compiled."""
-  params = _abstract_params(model_cfg)
-  opt = jax.eval_shape(make_optimizer(opt_cfg).init, lora.partition(params, model_cfg.lora)[0])
+  params, KL reference, RNG), from shapes alone: nothing is allocated or compiled. A
+  LoRA agent's state holds its adapters only (its base is held apart, shared)."""
+  params = lora.partition(_abstract_params(model_cfg), model_cfg.lora)[0]
+  opt = jax.eval_shape(make_optimizer(opt_cfg).init, params)
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   trees = [params, opt, rng] + ([params] if grpo_cfg.kl_coef else [])
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
