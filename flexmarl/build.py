@@ -11,6 +11,7 @@ processes. Everything past the factories is the same code for all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -34,6 +35,7 @@ from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, Timeline
 from flexmarl.tokenizer import TextTokenizer, per_agent
+from flexmarl.train import bases
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.step import StepCache
@@ -98,24 +100,28 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
   """The parts of a run in this process: trainers on JAX meshes of `devices` (sharing one
   `StepCache`), embedded or vLLM samplers, Orbax checkpoints under `workdir`."""
   by_id = {d.id: d for d in devices}
-  steps, compiled = StepCache(), {}
+  steps, compiled, team_bases = StepCache(), {}, {}
 
   def trainer(name: str, a: AgentSpec, index: int,
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
-    init = None
+    init, seed = None, bases.agent_seed(spec.seed, index)
+    where = a.layout if mesh is None else sharding.make_mesh(
+        [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
+    if a.model.lora.rank:  # adapters over the base shared by the agents of that base
+      base = bases.shared(team_bases, a.model, a.checkpoint, bases.base_seed(seed, a.base_seed))
+      return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
+                          init_params=hf.load_peft(a.adapter, a.model) if a.adapter else None,
+                          banned_ids=tokenizers[name].banned_ids, base=base)
     if mesh is None:  # a pool trainer's state starts in host memory
-      where = a.layout
       if a.checkpoint:
         host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
         init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
             lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
-    else:
-      where = sharding.make_mesh([by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
-      if a.checkpoint:  # read tensor by tensor straight onto the mesh
-        init = hf.load_params(a.checkpoint, a.model,
-                              sharding.param_shardings(hf.abstract_params(a.model)[1], where))
+    elif a.checkpoint:  # read tensor by tensor straight onto the mesh
+      init = hf.load_params(a.checkpoint, a.model,
+                            sharding.param_shardings(hf.abstract_params(a.model)[1], where))
     return AgentTrainer(name, a.model, a.optimizer, a.grpo, where,
-                        seed=spec.seed * 1000 + index, steps=steps, init_params=init,
+                        seed=seed, steps=steps, init_params=init,
                         banned_ids=tokenizers[name].banned_ids)
 
   def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:
@@ -141,12 +147,13 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
     def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
       # On the trainer's own devices the published arrays are served as they are.
       mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
-      layout = None if tuple(devices) == tuple(train_devices) else trainer.shardings_on(mesh)
+      place = (None if tuple(devices) == tuple(train_devices)
+               else functools.partial(trainer.place, mesh=mesh))
       return EmbeddedSampler(trainer.graphdef, weights.params,
                              max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
                              pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
                              batch_multiple=trainer.batch_multiple, version=weights.version,
-                             shardings=layout, generate_fn=generate_fn)
+                             place=place, generate_fn=generate_fn)
     return make
 
   def training_pool(trainers: Mapping[str, AgentTrainer],

@@ -18,6 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from flax import nnx
+
+from flexmarl.models import hf, transformer
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import ModelConfig
 
@@ -35,6 +38,39 @@ def base_key(model: ModelConfig, checkpoint: str, seed: int) -> Hashable:
   HF checkpoint folder, or without one the random initialisation's seed."""
   source = os.path.realpath(checkpoint) if checkpoint else f'seed:{seed}'
   return dataclasses.replace(model, lora=LoRAConfig()), source
+
+
+def base_seed(own_seed: int, configured: int) -> int:
+  """The seed of an agent's random base: `model.base_seed`, or (-1) the agent's own."""
+  return own_seed if configured < 0 else configured
+
+
+def load_base(model: ModelConfig, checkpoint: str, seed: int) -> LoadBase:
+  """How a base is made onto shardings (None: host memory): read from the HF
+  checkpoint, or the random initialisation of the model without adapters from `seed`
+  (which is a LoRA model's base of that seed: adapters draw their keys after it)."""
+  cfg = dataclasses.replace(model, lora=LoRAConfig())
+
+  def load(shardings: dict | None) -> dict:
+    if checkpoint:
+      on = shardings
+      if on is None:
+        host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
+        on = jax.tree.map(lambda _: host, nnx.to_pure_dict(hf.abstract_params(cfg)[1]))
+      params = hf.load_params(checkpoint, cfg, on)
+    else:  # eager, as an agent's own random init is
+      params = nnx.to_pure_dict(nnx.state(transformer.Decoder(cfg, nnx.Rngs(params=seed))))
+    return jax.device_get(params) if shardings is None else jax.device_put(params, shardings)
+  return load
+
+
+def shared(registry: dict, model: ModelConfig, checkpoint: str, seed: int) -> SharedBase:
+  """The base of `registry` (one team's) that an agent of this model, checkpoint and
+  base seed uses, made (lazily) when no agent before it had it."""
+  key = base_key(model, checkpoint, seed)
+  if key not in registry:
+    registry[key] = SharedBase(load_base(model, checkpoint, seed))
+  return registry[key]
 
 
 def group_of(mesh: Mesh) -> Hashable:
