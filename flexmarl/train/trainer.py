@@ -23,8 +23,8 @@ from jax.sharding import Mesh
 from flexmarl.models import lora, sharding, transformer
 from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
-from flexmarl.train.bases import SharedBase
 from flexmarl.train import state as state_lib
+from flexmarl.train.bases import SharedBase
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import OptimizerConfig
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
@@ -167,7 +167,7 @@ class AgentTrainer:
     self.base: SharedBase | None = None
     if model_cfg.lora.rank:
       params, frozen = partition(params)
-      self.base = base or SharedBase.holding(frozen)
+      self.base = base if base is not None else SharedBase.holding(frozen)
     shapes = nnx.to_pure_dict(nnx_state)
 
     def build() -> Steps:
