@@ -33,10 +33,14 @@ def model_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   """The model section: a preset's sizes (vocab_size 0: the tokenizer's), or with
   `checkpoint` an HF Llama/Qwen2 folder, whose config.json gives the architecture (only
   dtype applies from here) and whose safetensors give the weights. `lora` (rank > 0)
-  makes the agent adapters on that model, which stays frozen."""
+  makes the agent adapters on that model, which stays frozen: LoRA agents of the same
+  base (the same checkpoint, or the same `base_seed`) share one copy of it per device
+  group. `base_seed` (no checkpoint): the seed of the random initialisation (-1: the
+  agent's own); `adapter`: a PEFT adapter folder the agent's adapters start from."""
   options = {f.name: f.default for f in dataclasses.fields(ModelConfig)
              if f.name in MODEL_OPTIONS}
   return ml_collections.ConfigDict(dict(preset=preset, vocab_size=0, checkpoint='',
+                                        base_seed=-1, adapter='',
                                         lora=config_of(LoRAConfig), **options))
 
 
@@ -68,6 +72,8 @@ class AgentSpec:
   name: str
   model: ModelConfig
   checkpoint: str  # HF folder the policy starts from ('' : random initialisation)
+  base_seed: int  # seed of the random initialisation (-1: the agent's own)
+  adapter: str  # PEFT folder a LoRA agent's adapters start from ('': fresh adapters)
   instances: int  # rollout instances at start
   min_instances: int  # the balancer never takes the agent below this
   max_instances: int  # ... nor above this
@@ -98,7 +104,10 @@ class AgentSpec:
     defaults = agent_config().to_dict()
     refuse_unknown(f, given, defaults)
     a = ml_collections.ConfigDict({**defaults, **given})
-    model, checkpoint = _model(f, {**defaults['model'], **given.get('model', {})}, vocab_size)
+    section = {**defaults['model'], **given.get('model', {})}
+    base_seed, adapter = section.pop('base_seed'), section.pop('adapter')
+    model, checkpoint = _model(f, section, vocab_size)
+    _check_base(f'{f}.model', model, checkpoint, base_seed, adapter)
     for key in ('group_size', 'global_batch', 'micro_batch'):
       whole_number(f'{f}.{key}', a[key], 1)
     if a.global_batch % a.group_size:
@@ -120,7 +129,8 @@ class AgentSpec:
     sampling = SamplingParams.from_config(f'{f}.sampling', a.sampling)
     rollout = AgentRollout.from_config(f'{f}.rollout', a.rollout)
     return cls(
-        name=name, model=model, checkpoint=checkpoint, instances=rollout.instances,
+        name=name, model=model, checkpoint=checkpoint, base_seed=int(base_seed),
+        adapter=adapter, instances=rollout.instances,
         min_instances=rollout.min_instances, max_instances=rollout.max_instances,
         instance_devices=rollout.devices, tokenizer=a.tokenizer, group_size=a.group_size,
         global_batch=a.global_batch, micro_batch=a.micro_batch, mesh_shape=layout.shape,
@@ -159,6 +169,29 @@ def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
     return hf.model_config_from_hf(folder, dtype=dtype)
   except (KeyError, ValueError) as e:
     raise ConfigError(f'config.{field}={folder!r}: {e}') from None
+
+
+def _check_base(field: str, model: ModelConfig, checkpoint: str, base_seed: Any,
+                adapter: str) -> None:
+  """`base_seed` a whole number >= -1, and only without a checkpoint; `adapter` a PEFT
+  folder whose rank, alpha and targets are the agent's `lora`."""
+  whole_number(f'{field}.base_seed', base_seed, -1)
+  if checkpoint and base_seed != -1:
+    fail(f'{field}.base_seed', base_seed, f'the checkpoint {checkpoint!r} is the base; '
+         'leave base_seed at -1 (it seeds a random base, for agents without a checkpoint).')
+  if not adapter:
+    return
+  if not model.lora.rank:
+    fail(f'{field}.adapter', adapter, f'set {field}.lora (rank > 0) to the adapter\'s '
+         'rank, alpha and targets: only a LoRA agent starts from an adapter.')
+  try:
+    found = hf.peft_lora_config(adapter)
+  except (FileNotFoundError, KeyError, ValueError) as e:
+    raise ConfigError(f'config.{field}.adapter={adapter!r}: {e}') from None
+  if (found.rank, found.alpha, set(found.targets)) != (
+      model.lora.rank, model.lora.alpha, set(model.lora.targets)):
+    fail(f'{field}.lora', dataclasses.asdict(model.lora),
+         f'the adapter {adapter!r} has {dataclasses.asdict(found)}; set these.')
 
 
 def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[ModelConfig, str]:

@@ -36,6 +36,7 @@ from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.team import Agent, Timeline
 from flexmarl.tokenizer import TextTokenizer, per_agent
+from flexmarl.train import bases
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.step import StepCache
@@ -96,10 +97,19 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
 
 
 def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.MeshLayout,
-                  banned_ids: tuple[int, ...], steps: StepCache | None = None) -> AgentTrainer:
+                  banned_ids: tuple[int, ...], steps: StepCache | None = None,
+                  team_bases: dict | None = None) -> AgentTrainer:
   """An agent's trainer on mesh `where` (or, given a layout, with its state in host
   memory: a training pool's), started from `a.checkpoint` or a random init from
-  `seed`. The one recipe of a trainer, in this process or in a remote trainer group."""
+  `seed`; a LoRA agent's adapters over the base it shares with the agents of
+  `team_bases` (this process's). The one recipe of a trainer, in this process or in a
+  remote trainer group."""
+  if a.model.lora.rank:  # adapters over the base shared by the agents of that base
+    base = bases.shared({} if team_bases is None else team_bases, a.model, a.checkpoint,
+                        bases.base_seed(seed, a.base_seed))
+    return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
+                        init_params=hf.load_peft(a.adapter, a.model) if a.adapter else None,
+                        banned_ids=banned_ids, base=base)
   init = None
   if a.checkpoint and isinstance(where, Mesh):  # read tensor by tensor straight onto the mesh
     init = hf.load_params(a.checkpoint, a.model,
@@ -129,14 +139,14 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
   """The parts of a run in this process: trainers on JAX meshes of `devices` (sharing one
   `StepCache`), embedded or vLLM samplers, Orbax checkpoints under `workdir`."""
   by_id = {d.id: d for d in devices}
-  steps, compiled = StepCache(), {}
+  steps, compiled, team_bases = StepCache(), {}, {}
 
   def trainer(name: str, a: AgentSpec, index: int,
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
     where = a.layout if mesh is None else sharding.make_mesh(  # None: a pool trainer
         [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
-    return agent_trainer(name, a, spec.seed * 1000 + index, where, tokenizers[name].banned_ids,
-                         steps)
+    return agent_trainer(name, a, bases.agent_seed(spec.seed, index), where,
+                         tokenizers[name].banned_ids, steps, team_bases)
 
   def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:
     """A vLLM engine (rollout.backend=vllm, started from an export of the weights), or
@@ -152,12 +162,13 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
     def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
       # On the trainer's own devices the published arrays are served as they are.
       mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
-      layout = None if tuple(devices) == tuple(train_devices) else trainer.shardings_on(mesh)
+      place = (None if tuple(devices) == tuple(train_devices)
+               else functools.partial(trainer.place, mesh=mesh))
       return EmbeddedSampler(trainer.graphdef, weights.params,
                              max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
                              pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
                              batch_multiple=trainer.batch_multiple, version=weights.version,
-                             shardings=layout, generate_fn=generate_fn)
+                             place=place, generate_fn=generate_fn)
     return make
 
   def training_pool(trainers: Mapping[str, AgentTrainer],

@@ -5,7 +5,10 @@
 The folder (safetensors, config.json, tokenizer files) loads in `transformers`
 (`AutoModelForCausalLM.from_pretrained`) and in vLLM, and as `model.checkpoint` of a
 new FlexMARL agent. A LoRA agent is written with its adapters merged into the weights
-(base + scale·A·B), and its adapters alone as a PEFT folder in `OUT_DIR/adapter`. The agent's architecture is rebuilt from `WORKDIR/config.json`
+(base + scale·A·B), and its adapters alone as a PEFT folder in `OUT_DIR/adapter`; its
+checkpoints hold the adapters, and its base is rebuilt as the run made it (its
+`model.checkpoint`, or the random initialisation of its seed). The agent's
+architecture is rebuilt from `WORKDIR/config.json`
 and its tokenizer from `WORKDIR/tokenizers/AGENT/` (an agent's own) or
 `WORKDIR/tokenizer/` (the team's), written when the run started.
 """
@@ -24,6 +27,7 @@ from flexmarl.config import agent_spec
 from flexmarl.models import hf, lora
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
+from flexmarl.train import bases
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.optimizer import make_optimizer
 
@@ -50,17 +54,23 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
                             f'step {step} is not one of them.')
   # Restore onto one device, as shapes first: nothing is initialised just to be replaced.
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = nnx.to_pure_dict(hf.abstract_params(spec.model)[1])
-  trainable = lora.partition(params, spec.model.lora)[0]
-  like = {'params': params,
+  trainable, frozen = lora.partition(nnx.to_pure_dict(hf.abstract_params(spec.model)[1]),
+                                     spec.model.lora)
+  like = {'params': trainable,  # a LoRA agent's adapters; else the whole model
           'opt_state': jax.eval_shape(make_optimizer(spec.optimizer).init, trainable)}
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
   state, _ = checkpointer.restore(max(steps) if step is None else step, like)
   checkpointer.close()
-  if spec.model.lora.rank:
-    hf.save_peft(spec.model, state['params'], os.path.join(out_dir, 'adapter'),
+  params = state['params']
+  if spec.model.lora.rank:  # the checkpoint holds adapters: the base is rebuilt as the run did
+    hf.save_peft(spec.model, params, os.path.join(out_dir, 'adapter'),
                  base_model=spec.checkpoint)
-  return hf.save_hf(spec.model, state['params'], out_dir, tokenizer=tokenizer, dtype=dtype)
+    seed = bases.base_seed(bases.agent_seed(config.seed, list(config.agents).index(agent)),
+                           spec.base_seed)
+    base = bases.load_base(spec.model, spec.checkpoint, seed)(
+        jax.tree.map(lambda _: device, frozen))
+    params = lora.combine(params, base)
+  return hf.save_hf(spec.model, params, out_dir, tokenizer=tokenizer, dtype=dtype)
 
 
 def main(argv):

@@ -42,6 +42,7 @@ from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.schedules import Lines, Schedule, StepResult
 from flexmarl.team import Agent
+from flexmarl.train import sizing
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
@@ -243,6 +244,7 @@ class JointOrchestrator:
     """Train until `spec.steps`, resuming from the workdir's checkpoints. The first
     Ctrl-C stops at the end of the current step, saved; a rerun resumes."""
     log(self.spec.placement.describe())
+    log(sizing.describe_memory(self.spec.agents, self.spec.placement, self.spec.seed))
     for line in self.journal.store.recovered:
       log(f'warning: {line}')
     start_step = self.restore(log)

@@ -21,8 +21,10 @@ from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import hf, lora, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
-from flexmarl.run import train
-from flexmarl.train import grpo, sizing
+from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
+from flexmarl.run import build, train
+from flexmarl.tokenizer import load_tokenizer
+from flexmarl.train import bases, grpo, sizing
 from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.state import InStorage, OnHost
@@ -123,17 +125,20 @@ def test_only_adapters_train_and_the_base_survives_moves_and_checkpoints(tmp_pat
   t.bind(sharding.make_mesh(jax.devices()[2:4], (2, 1)))
   assert _equal(jax.device_get(lora.partition(t.params, cfg.lora)[1]), base0)
   ckpt = AgentCheckpointer(str(tmp_path), 'a')
+  assert _equal(jax.device_get(t.train_state()['params']), jax.device_get(adapters))
   ckpt.save(2, t.train_state(), {'step': 2})
   ckpt.wait()
+  # The checkpoint holds adapters only: a resume rebuilds the same base (here, shares it).
   fresh = AgentTrainer('a', cfg, OptimizerConfig(learning_rate=1e-2), grpo.GRPOConfig(),
-                       sharding.layout((2, 1)), seed=99)
+                       sharding.layout((2, 1)), seed=99, base=t.base)
   state, _ = ckpt.restore(2, fresh.train_state())
   ckpt.close()
   fresh.load_train_state(state)
   assert _equal(jax.device_get(fresh.params), jax.device_get(t.params))
   assert _equal(jax.device_get(fresh.opt_state), jax.device_get(t.opt_state))
   moved, _ = state_lib.move(fresh.state, OnHost())
-  assert _equal(lora.partition(moved.params, cfg.lora)[1], base0)
+  assert lora.partition(moved.params, cfg.lora)[1] == {}  # a move carries adapters only
+  assert _equal(jax.device_get(lora.partition(fresh.params, cfg.lora)[1]), base0)
 
 
 def test_adapters_start_fresh_on_a_checkpoint_base(tmp_path):
@@ -157,11 +162,23 @@ def test_adapters_start_fresh_on_a_checkpoint_base(tmp_path):
 
 
 def _lora_team(steps: int) -> ml_collections.ConfigDict:
+  """Both agents adapters on one shared base: the random init of base seed 7."""
   c = two_agent_config(steps)
   for name in ('solver', 'verifier'):
     c.agents[name].model.lora = dict(rank=16, alpha=32.0)
+    c.agents[name].model.base_seed = 7
     c.agents[name].optimizer.learning_rate = 3e-2
   return c
+
+
+def _run_model(workdir: str, name: str, step: int) -> tuple[ModelConfig, dict, dict]:
+  """(model config, checkpoint adapters, base) of a LoRA agent of a `_lora_team` run."""
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    saved = ml_collections.ConfigDict(json.load(f))
+  cfg = _spec_model(saved.agents[name], load_tokenizer(os.path.join(workdir, 'tokenizer'))
+                    .vocab_size)
+  base = _params(dataclasses.replace(cfg, lora=LoRAConfig()), seed=7)[1]
+  return cfg, _checkpoint(workdir, name, step)['params'], base
 
 
 def _checkpoint(workdir: str, agent: str, step: int) -> dict:
@@ -194,25 +211,19 @@ def test_a_lora_team_learns_with_its_base_frozen(lora_run):
   on_policy = [m['ratio_dev'] for m in metrics if m.get('staleness_max') == 0 and 'ratio_dev' in m]
   assert on_policy and max(on_policy) < 1e-4, on_policy
   for index, name in enumerate(config.agents):  # trainer seeds: seed * 1000 + index
-    cfg = _spec_model(config.agents[name])
-    cfg = dataclasses.replace(cfg, vocab_size=_checkpoint(workdir, name, 15)['params'][
-        'embed'].shape[0])
+    cfg, trained, _ = _run_model(workdir, name, 15)
     start = _params(cfg, seed=config.seed * 1000 + index)[1]
-    trained = _checkpoint(workdir, name, 15)['params']
-    assert _equal(lora.partition(trained, cfg.lora)[1], lora.partition(start, cfg.lora)[1])
-    assert not _equal(lora.partition(trained, cfg.lora)[0], lora.partition(start, cfg.lora)[0])
+    # The checkpoint holds the adapters only (the base is shared, never saved), trained.
+    assert lora.partition(trained, cfg.lora)[1] == {}
+    assert not _equal(trained, lora.partition(start, cfg.lora)[0])
 
 
 def test_export_writes_merged_weights_and_a_peft_adapter(lora_run, tmp_path):
   workdir, _ = lora_run
   out = export(workdir, 'verifier', str(tmp_path / 'hf'))
-  params = _checkpoint(workdir, 'verifier', 15)['params']
-  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
-    saved = ml_collections.ConfigDict(json.load(f))
-  cfg = _spec_model(saved.agents.verifier)
-  cfg = dataclasses.replace(cfg, vocab_size=params['embed'].shape[0])
+  cfg, _, base_params = _run_model(workdir, 'verifier', 15)
   weights = load_file(os.path.join(out, 'model.safetensors'))
-  base = dict(hf.hf_weights(dataclasses.replace(cfg, lora=LoRAConfig()), params))
+  base = dict(hf.hf_weights(dataclasses.replace(cfg, lora=LoRAConfig()), base_params))
   adapter = load_file(os.path.join(out, 'adapter', 'adapter_model.safetensors'))
   with open(os.path.join(out, 'adapter', 'adapter_config.json'), encoding='utf-8') as f:
     peft_cfg = json.load(f)
@@ -238,12 +249,10 @@ def test_peft_loads_the_adapter(lora_run, tmp_path):
   from peft import PeftModel
   workdir, _ = lora_run
   out = export(workdir, 'verifier', str(tmp_path / 'hf'))
-  params = _checkpoint(workdir, 'verifier', 15)['params']
-  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
-    cfg = _spec_model(ml_collections.ConfigDict(json.load(f)).agents.verifier)
-  cfg = dataclasses.replace(cfg, vocab_size=params['embed'].shape[0])
-  base_dir = hf.save_hf(dataclasses.replace(cfg, lora=LoRAConfig()),
-                        lora.partition(params, cfg.lora)[1], str(tmp_path / 'base'))
+  cfg, adapters, base = _run_model(workdir, 'verifier', 15)
+  params = lora.combine(adapters, base)
+  base_dir = hf.save_hf(dataclasses.replace(cfg, lora=LoRAConfig()), base,
+                        str(tmp_path / 'base'))
   model = PeftModel.from_pretrained(
       transformers.AutoModelForCausalLM.from_pretrained(base_dir), os.path.join(out, 'adapter'))
   with torch.no_grad():
@@ -290,3 +299,134 @@ def test_vllm_refuses_a_lora_agent():
   with pytest.raises(ConfigError, match=r'agents.solver.model.lora.rank=8.*not supported '
                      r'with the vLLM backend yet.*rollout.backend=embedded'):
     build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+
+
+def test_agents_of_one_base_share_one_copy_per_device_group(tmp_path):
+  """Three LoRA agents on one base: one copy per mesh, referenced by each; states hold
+  adapters; training and swaps leave the base bit-identical; a full agent beside them
+  trains as ever."""
+  cfg = ModelConfig(vocab_size=20, layers=1, lora=LoRAConfig(rank=4, alpha=8.0))
+  base = bases.SharedBase(bases.load_base(cfg, '', seed=7))
+  mesh_a = sharding.make_mesh(jax.devices()[:2], (2, 1))
+  mesh_b = sharding.make_mesh(jax.devices()[2:4], (2, 1))
+  opt = OptimizerConfig(learning_rate=1e-2)
+  make = lambda name, mesh, seed, model=cfg, shared=base: AgentTrainer(
+      name, model, opt, grpo.GRPOConfig(), mesh, seed=seed, base=shared)
+  a, b, c = make('a', mesh_a, 1), make('b', mesh_a, 2), make('c', mesh_b, 3)
+  full = make('full', sharding.make_mesh(jax.devices()[4:6], (2, 1)), 4,
+              dataclasses.replace(cfg, lora=LoRAConfig()), None)
+  base0 = _params(dataclasses.replace(cfg, lora=LoRAConfig()), seed=7)[1]
+  frozen = lambda t: lora.partition(t.params, cfg.lora)[1]
+  assert all(x is y for x, y in zip(jax.tree.leaves(frozen(a)), jax.tree.leaves(frozen(b))))
+  assert base.nbytes == sum(x.nbytes for x in jax.tree.leaves(base0))
+  assert a.state.nbytes == sizing.state_nbytes(cfg, opt, grpo.GRPOConfig()) < base.nbytes
+  full0 = jax.device_get(full.params)
+  for t in (a, b, c, full):
+    t.accumulate(_batch(0, multiple=t.batch_multiple))
+    t.apply()
+  assert not _equal(jax.device_get(full.params), full0)
+  assert len(base.groups) == 2  # one copy per mesh, made when an agent there first used it
+  # a swap to storage and onto the other mesh moves adapters only, onto that mesh's copy
+  adapters = jax.device_get(a.state.params)
+  assert a.release(InStorage(str(tmp_path / 'swap'))).bytes == a.state.nbytes
+  a.bind(mesh_b)
+  assert _equal(jax.device_get(a.state.params), adapters) and len(base.groups) == 2
+  assert all(x is y for x, y in zip(jax.tree.leaves(frozen(a)), jax.tree.leaves(frozen(c))))
+  for t in (a, b, c):
+    assert _equal(jax.device_get(frozen(t)), base0)
+  assert not _equal(jax.device_get(a.state.params), jax.device_get(b.state.params))
+
+
+def test_a_built_team_shares_its_base_and_says_what_it_holds(tmp_path):
+  c = _lora_team(steps=2)
+  c.agents.critic = agent_config('tiny', group_size=2, global_batch=8, micro_batch=8)
+  spec = build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+  text = sizing.describe_memory(spec.agents, spec.placement, spec.seed)
+  assert 'shared by solver, verifier' in text and 'critic' in text and '(full model)' in text
+  orchestrator = build(_lora_team(steps=2), str(tmp_path / 'run'), log=lambda *_: None)
+  solver, verifier = (orchestrator.agents[n].trainer for n in ('solver', 'verifier'))
+  assert solver.base is verifier.base
+  assert lora.partition(solver.state.params, spec.agents['solver'].model.lora)[1] == {}
+
+
+@pytest.mark.parametrize('rows', [[0, 1, 2, 2, 1, 0, 1], [2, 2, 2]])
+def test_one_instance_serves_three_agents_adapters_as_dedicated_ones(rows):
+  cfg = ModelConfig(vocab_size=24, layers=2, lora=LoRAConfig(rank=4, alpha=8.0))
+  graphdef, params = _params(cfg)
+  adapters, base = lora.partition(params, cfg.lora)
+  agents = [_with_random_b(adapters, seed=s) for s in (1, 2, 3)]
+  # each agent's own A too (else all three start from the seed's)
+  agents = [jax.tree.map(lambda x, s=s: x * (1 + s) if x.ndim > 1 else x, ad)
+            for s, ad in enumerate(agents)]
+  shared = EmbeddedSampler(graphdef, lora.combine(lora.stack(agents), base), max_prompt_len=6,
+                           eos_id=2, pad_id=0, adapters=3)
+  prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 8], [1, 4], [1, 7, 7], [1, 3], [1, 9, 9]]
+  prompts = prompts[:len(rows)]
+  keys = np.stack([sample_key(0, 'x', 0, str(i)) for i in range(len(rows))])
+  sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=5)
+  out = shared.generate(prompts, keys, sampling, adapter_rows=np.array(rows))
+  for k, ad in enumerate(agents):
+    own = [i for i, r in enumerate(rows) if r == k]
+    if not own:
+      continue
+    dedicated = EmbeddedSampler(graphdef, lora.combine(ad, base), max_prompt_len=6, eos_id=2,
+                                pad_id=0).generate([prompts[i] for i in own], keys[own], sampling)
+    np.testing.assert_array_equal(out.tokens[own], dedicated.tokens)
+    np.testing.assert_array_equal(out.lengths[own], dedicated.lengths)
+    np.testing.assert_allclose(out.logprobs[own], dedicated.logprobs, atol=1e-5)
+  with pytest.raises(ValueError, match=r'adapter_rows=\[3\].*\[0, 3\)'):
+    shared.generate(prompts[:1], keys[:1], sampling, adapter_rows=np.array([3]))
+
+
+def test_agents_adapters_differ_per_row():
+  """Same prompt and key, three adapters: the logprobs differ (the rows' adapters are used)."""
+  cfg = ModelConfig(vocab_size=24, layers=1, lora=LoRAConfig(rank=4, alpha=8.0))
+  graphdef, params = _params(cfg)
+  adapters, base = lora.partition(params, cfg.lora)
+  agents = [_with_random_b(adapters, seed=s) for s in (1, 2, 3)]
+  shared = EmbeddedSampler(graphdef, lora.combine(lora.stack(agents), base), max_prompt_len=6,
+                           eos_id=2, pad_id=0, adapters=3)
+  key = sample_key(0, 'x', 0, '0')
+  out = shared.generate([[1, 5, 6]] * 3, np.stack([key] * 3),
+                        SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=1),
+                        adapter_rows=np.array([0, 1, 2]))
+  assert len({float(x) for x in out.logprobs[:, 0]}) == 3, out.logprobs
+
+
+def test_peft_import_round_trips_exactly(tmp_path):
+  cfg = ModelConfig(vocab_size=20, layers=2, lora=LoRAConfig(rank=4, alpha=8.0,
+                                                             targets=('q', 'o', 'down')))
+  trained = _with_random_b(_params(cfg)[1])
+  folder = hf.save_peft(cfg, trained, str(tmp_path / 'adapter'))
+  assert hf.peft_lora_config(folder) == cfg.lora
+  adapters = lora.partition(trained, cfg.lora)[0]
+  assert _equal(hf.load_peft(folder, cfg), jax.device_get(adapters))
+  # an agent started from the folder trains from those adapters, over its base
+  base = bases.SharedBase(bases.load_base(cfg, '', seed=0))
+  t = AgentTrainer('a', cfg, OptimizerConfig(), grpo.GRPOConfig(), sharding.layout((1, 1)),
+                   seed=5, init_params=hf.load_peft(folder, cfg), base=base)
+  assert _equal(jax.device_get(t.params), jax.device_get(trained))
+  # the config names the folder; a rank or target set that is not the folder's is refused
+  c = two_agent_config(steps=2)
+  c.agents.solver.model.lora = dict(rank=4, alpha=8.0, targets=('down', 'q', 'o'))
+  c.agents.solver.model.adapter = folder
+  assert build_team_spec(c, 20, list(range(8)), ['solver', 'verifier']).agents[
+      'solver'].adapter == folder
+  c.agents.solver.model.lora = dict(rank=8, alpha=8.0, targets=('down', 'q', 'o'))
+  with pytest.raises(ConfigError, match=r"agents.solver.model.lora=.*'rank': 8.*'rank': 4"):
+    build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+
+
+@pytest.mark.parametrize('model, needles', [
+    (dict(base_seed=-2), ['agents.solver.model.base_seed=-2', '>= -1']),
+    (dict(adapter='/nowhere'), ['agents.solver.model.adapter', 'lora (rank > 0)']),
+    (dict(adapter='/nowhere', lora=dict(rank=4)), ['adapter=\'/nowhere\'',
+                                                    'adapter_config.json']),
+])
+def test_bad_base_and_adapter_configs_are_refused(model, needles):
+  c = two_agent_config(steps=2)
+  c.agents.solver.model.update(model)
+  with pytest.raises(ConfigError) as err:
+    build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+  for needle in needles:
+    assert needle in str(err.value), str(err.value)

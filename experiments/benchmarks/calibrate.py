@@ -23,6 +23,7 @@ Medians of `--reps` timed calls after one untimed (compiling) call each. Writes 
 fitted constants as JSON to `--out`, which experiments/sim/this_machine.py reads.
 """
 
+import functools
 import json
 import statistics
 import time
@@ -74,7 +75,8 @@ def main(argv):
   gen = compile_generate(trainer.graphdef)
   samplers = [EmbeddedSampler(trainer.graphdef, trainer.params, max_prompt_len=spec.max_prompt_len,
                               eos_id=tok.eos_id, pad_id=tok.pad_id, generate_fn=gen,
-                              shardings=trainer.shardings_on(mesh(d))) for d in (4, 5, 6, 7)]
+                              place=functools.partial(trainer.place, mesh=mesh(d)))
+              for d in (4, 5, 6, 7)]
   rng = np.random.default_rng(0)
   prompt = lambda: list(rng.integers(3, tok.vocab_size, 5))  # BOS + 3 chars + '=' in the real run
   results = {}

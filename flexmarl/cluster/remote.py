@@ -30,7 +30,7 @@ from flexmarl.metrics import spans
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 from flexmarl.team import Timeline
 from flexmarl.tokenizer import TextTokenizer
-from flexmarl.train import sizing
+from flexmarl.train import bases, sizing
 
 
 class WorkerLost(RuntimeError):
@@ -268,7 +268,8 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
               mesh: placement_lib.MeshPlacement | None) -> RemoteTrainer:
     group = f'train:{name}'
     slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
-    job = TrainerJob(name, a, spec.seed * 1000 + index, tokenizers[name].banned_ids, workdir)
+    job = TrainerJob(name, a, bases.agent_seed(spec.seed, index), tokenizers[name].banned_ids,
+                     workdir)
     remote, cluster.processes[group] = start_trainer_group(
         job, slots, cluster.gpus, cluster.cpu_devices, c, a.layout.batch_multiple)
     cluster.trainers[name] = remote

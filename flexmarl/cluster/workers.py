@@ -10,6 +10,7 @@ calls with the same arguments, in the same order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 from typing import Any
@@ -61,7 +62,7 @@ class RolloutWorker:
         graphdef, weights, max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
         batch_multiple=sharding.layout_of(mesh).batch_multiple, version=version,
-        shardings=sharding.param_shardings(abstract, mesh))
+        place=functools.partial(jax.device_put, device=sharding.param_shardings(abstract, mesh)))
 
   def where(self) -> dict[str, Any]:
     return where(self.devices)

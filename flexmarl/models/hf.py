@@ -301,6 +301,51 @@ def save_peft(cfg: ModelConfig, params: dict, out_dir: str, base_model: str = ''
   return out_dir
 
 
+def peft_lora_config(folder: str) -> lora.LoRAConfig:
+  """The rank, alpha and targets of a PEFT LoRA adapter folder (its adapter_config.json)."""
+  path = os.path.join(folder, 'adapter_config.json')
+  if not os.path.isfile(path) or not os.path.isfile(
+      os.path.join(folder, 'adapter_model.safetensors')):
+    raise FileNotFoundError('give a PEFT adapter folder holding adapter_config.json and '
+                            'adapter_model.safetensors (e.g. `flexmarl.export`\'s OUT_DIR/adapter).')
+  with open(path, encoding='utf-8') as f:
+    config = json.load(f)
+  if config.get('peft_type', 'LORA') != 'LORA':
+    raise ValueError(f'peft_type {config["peft_type"]!r} is not LORA.')
+  by_module = {name.split('.')[-1]: t for t, name in lora.TARGETS.items()}
+  modules = config['target_modules']
+  unknown = [m for m in modules if m not in by_module]
+  if unknown:
+    raise ValueError(f'target_modules {unknown} are not among {sorted(by_module)}.')
+  targets = tuple(t for t in lora.TARGETS if lora.TARGETS[t].split('.')[-1] in modules)
+  return lora.LoRAConfig(int(config['r']), float(config['lora_alpha']), targets)
+
+
+def load_peft(folder: str, cfg: ModelConfig) -> dict:
+  """A PEFT adapter folder's adapters as this model's adapter leaves (host arrays, the
+  layout `peft_weights` writes, inverted); refused when a tensor is missing or its
+  shape does not fit `cfg`."""
+  from safetensors.numpy import load_file
+  tensors = load_file(os.path.join(folder, 'adapter_model.safetensors'))
+  shapes = lora.partition(nnx.to_pure_dict(abstract_params(cfg)[1]), cfg.lora)[0]
+  r, dtype = cfg.lora.rank, jnp.dtype(cfg.dtype)
+  out: dict = {}
+  for i in range(cfg.layers):
+    for target in cfg.lora.targets:
+      group = 'attn' if target in ('q', 'k', 'v', 'o') else 'mlp'
+      like = shapes['blocks'][i][group][f'{target}_lora']
+      name = f'base_model.model.model.layers.{i}.{lora.TARGETS[target]}'
+      a, b = tensors.get(f'{name}.lora_A.weight'), tensors.get(f'{name}.lora_B.weight')
+      if a is None or b is None or a.size != like['lora_a'].size or b.size != like['lora_b'].size:
+        raise ValueError(f'model.adapter={folder!r}: the tensors of {name} are missing or do '
+                         f'not fit rank {r}; the adapter was made for another model or rank.')
+      _set(out, ('blocks', i, group, f'{target}_lora', 'lora_a'),
+           np.ascontiguousarray(a.T).reshape(like['lora_a'].shape).astype(dtype))
+      _set(out, ('blocks', i, group, f'{target}_lora', 'lora_b'),
+           np.ascontiguousarray(b.T).reshape(like['lora_b'].shape).astype(dtype))
+  return out
+
+
 def generation_config(tokenizer) -> dict:
   """generation_config.json: transformers and vLLM stop at every id that ended an answer
   in training, and transformers' `generate` never draws a token the sampler banned

@@ -66,6 +66,30 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
   return scale * jnp.tensordot(low, b, axes=1)
 
 
+def delta_rows(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """`delta` with an adapter of each row's own: a [B, in..., rank], b [B, rank, out...]
+  (x [B, ..., in...]), as `gather_rows` lays them out."""
+  rank, n_in = b.shape[1], a.ndim - 2
+  xs = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
+  low = jnp.einsum('b...i,bir->b...r', xs, a.reshape(a.shape[0], -1, rank))
+  out = jnp.einsum('b...r,bro->b...o', low, b.reshape(b.shape[0], rank, -1))
+  return scale * out.reshape(out.shape[:-1] + b.shape[2:])
+
+
+def stack(adapters: list[dict]) -> dict:
+  """K agents' adapters (trees alike) as one tree, each leaf [K, ...]: what one
+  rollout instance serves for K agents of one base."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *adapters)
+
+
+def gather_rows(params: dict, rows: jax.Array) -> dict:
+  """`params` with stacked adapter leaves ([K, ...]) replaced by each row's own
+  ([B, ...], row i taking adapter `rows[i]`); the base leaves as they are."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x[rows] if is_adapter(tuple(getattr(k, 'key', k) for k in path)) else x,
+      params)
+
+
 def is_adapter(path: tuple) -> bool:
   return bool(path) and path[-1] in ADAPTER_LEAVES
 

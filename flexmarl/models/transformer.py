@@ -85,7 +85,8 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 class LoRA(nnx.Module):
   """One projection's adapter: A [in..., rank] random, B [rank, out...] zero, so that
-  it adds nothing until it trains."""
+  it adds nothing until it trains. Served with one adapter per row (leaves
+  [B, in..., rank] and [B, rank, out...], see `lora.gather_rows`), row i uses its own."""
 
   def __init__(self, rngs: nnx.Rngs, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                in_axes: tuple[str | None, ...], out_axes: tuple[str | None, ...],
@@ -95,9 +96,13 @@ class LoRA(nnx.Module):
     self.lora_b = nnx.Param(jnp.zeros((cfg.rank,) + out_shape, dtype),
                             out_sharding=(None,) + out_axes, eager_sharding=False)
     self.scale = cfg.scale
+    self.n_in = len(in_shape)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return lora_lib.delta(x, self.lora_a[...], self.lora_b[...], self.scale).astype(x.dtype)
+    a, b = self.lora_a[...], self.lora_b[...]
+    per_row = a.ndim > self.n_in + 1
+    return (lora_lib.delta_rows if per_row else lora_lib.delta)(x, a, b, self.scale).astype(
+        x.dtype)
 
 
 def _add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flexmarl.models import transformer
+from flexmarl.models import lora, transformer
 from flexmarl.models.layout import bucket, left_pad
 from flexmarl.rollout.spec import SamplingParams
 
@@ -85,16 +85,22 @@ def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 
 def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
                     prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array,
-                    top_p: jax.Array, limits: jax.Array, *, max_new_tokens: int,
-                    stop_ids: tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...],
-                    use_top_p: bool):
+                    top_p: jax.Array, limits: jax.Array, adapter_rows: jax.Array | None = None,
+                    *, max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int,
+                    banned_ids: tuple[int, ...], use_top_p: bool):
   """Pure sampling loop: prefill the prompt, then decode until every row has drawn a
   stop id or its limit of new tokens (`limits` [B], each <= `max_new_tokens`).
+
+  `adapter_rows` [B]: `state` holds several agents' LoRA adapters stacked
+  (`lora.stack`) over one base, and row i is sampled with adapter `adapter_rows[i]`
+  (gathered once, before the loop); None: `state` is one model.
 
   `banned_ids` are never drawn (the policy is the distribution without them, as the
   trainer computes it). Returns tokens [B, T], logprobs [B, T] of the sampled tokens
   under the temperature-scaled distribution, and lengths [B].
   """
+  if adapter_rows is not None:
+    state = lora.gather_rows(state, adapter_rows)
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
   batch, prompt_len = prompts.shape
@@ -165,17 +171,21 @@ class EmbeddedSampler:
 
   def __init__(self, graphdef: nnx.GraphDef, state: dict, *, max_prompt_len: int,
                eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = (),
-               batch_multiple: int = 1, version: int = 0, shardings=None,
-               generate_fn: Callable | None = None, min_batch: int = 16):
+               batch_multiple: int = 1, version: int = 0,
+               place: Callable[[dict], dict] | None = None,
+               generate_fn: Callable | None = None, min_batch: int = 16, adapters: int = 0):
     """`eos_id`: the id (or ids) that end an answer; `banned_ids`: ids never sampled
-    (the tokenizer's other special tokens). `shardings` (a tree like `state`): the
-    instance's own devices, where published weights are copied; None serves them where
-    they already are. `generate_fn`: the
+    (the tokenizer's other special tokens). `place`: puts published weights on the
+    instance's own devices (e.g. a copy of the adapters beside the device group's
+    shared base); None serves them where they already are. `generate_fn`: the
     model's `compile_generate`, shared between instances. Batches are padded to at
     least `min_batch` rows: continuous batching makes every size from 1 up, and each
-    distinct size costs a compilation."""
+    distinct size costs a compilation. `adapters` > 0: `state` holds that many agents'
+    LoRA adapters stacked over one base (`lora.stack`), and every batch says which
+    adapter each row uses (`submit`'s `adapter_rows`)."""
     self.graphdef = graphdef
-    self.shardings = shardings
+    self.place = place
+    self.adapters = adapters
     self.state = self._place(state)
     self.version = version
     self.max_prompt_len = max_prompt_len
@@ -191,17 +201,21 @@ class EmbeddedSampler:
     self.version = version
 
   def _place(self, state: nnx.State) -> nnx.State:
-    return state if self.shardings is None else jax.device_put(state, self.shardings)
+    return state if self.place is None else self.place(state)
 
   def generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
-               limits: np.ndarray | None = None) -> SampleBatch:
+               limits: np.ndarray | None = None,
+               adapter_rows: np.ndarray | None = None) -> SampleBatch:
     """`submit` and wait: for callers outside the rollout engine."""
-    return self.submit(prompts, keys, params, limits).result()
+    return self.submit(prompts, keys, params, limits, adapter_rows).result()
 
   def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
-             limits: np.ndarray | None = None) -> PendingSamples:
-    """Dispatch the batch to the instance's devices; returns before it is computed."""
+             limits: np.ndarray | None = None,
+             adapter_rows: np.ndarray | None = None) -> PendingSamples:
+    """Dispatch the batch to the instance's devices; returns before it is computed.
+    `adapter_rows` [B]: each row's adapter among the served ones (`adapters` > 0)."""
     n = len(prompts)
+    rows = self._adapter_rows(n, adapter_rows)
     size = bucket(max(n, self.min_batch), self.batch_multiple)
     row_limits = np.full((size,), params.max_new_tokens, np.int32)
     if limits is not None:
@@ -212,10 +226,26 @@ class EmbeddedSampler:
     all_keys[:n] = keys
     tokens, logprobs, lengths = self._generate(
         self.state, ids, mask, all_keys, np.float32(params.temperature),
-        np.float32(params.top_p), row_limits, max_new_tokens=params.max_new_tokens,
+        np.float32(params.top_p), row_limits, rows, max_new_tokens=params.max_new_tokens,
         stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
         use_top_p=params.top_p < 1.0)
     return _DevicePending((tokens, logprobs, lengths), n)
+
+  def _adapter_rows(self, n: int, given: np.ndarray | None) -> np.ndarray | None:
+    """The rows' adapter indices padded to the batch's size (padding rows: adapter 0),
+    checked against what this instance serves."""
+    if not self.adapters:
+      if given is not None:
+        raise ValueError('adapter_rows given, but this instance serves one model: build it '
+                         'with adapters=K over a `lora.stack` of K adapters.')
+      return None
+    rows = np.asarray(given if given is not None else [], np.int32)
+    if rows.shape != (n,) or rows.min(initial=0) < 0 or rows.max(initial=0) >= self.adapters:
+      raise ValueError(f'adapter_rows={rows.tolist()}: give one index in [0, {self.adapters}) '
+                       f'per prompt ({n} prompts); this instance serves {self.adapters} '
+                       'adapters.')
+    size = bucket(max(n, self.min_batch), self.batch_multiple)
+    return np.concatenate([rows, np.zeros(size - n, np.int32)])
 
   def close(self) -> None:
     self.state = None

@@ -24,6 +24,7 @@ from flexmarl.models import lora, sharding, transformer
 from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
+from flexmarl.train.bases import SharedBase
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import OptimizerConfig
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
@@ -150,34 +151,43 @@ class AgentTrainer:
   def __init__(self, name: str, model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
                grpo_cfg: grpo.GRPOConfig, mesh: Mesh | sharding.MeshLayout, seed: int,
                steps: StepCache | None = None, init_params: dict | None = None,
-               banned_ids: tuple[int, ...] = ()):
+               banned_ids: tuple[int, ...] = (), base: SharedBase | None = None):
     """`init_params`: starting weights (e.g. from an HF checkpoint, already on the
     mesh's shardings); by default a random initialisation from `seed`. A LoRA model
     (`model_cfg.lora.rank` > 0) trains only its adapters, which `init_params` may leave
-    out (a base checkpoint): they start fresh from `seed`. `banned_ids`: tokens the
-    sampler never draws, left out of the trained distribution too."""
+    out (a base checkpoint): they start fresh from `seed`. Its frozen base is held
+    apart from its state: `base`, shared with the other agents of that base, or
+    (None) a base of its own split from the initial params; the state (moves, swaps,
+    checkpoints) holds the adapters only. `banned_ids`: tokens the sampler never
+    draws, left out of the trained distribution too."""
     self.name = name
     self.grpo_cfg = grpo_cfg
     self.layout = mesh if isinstance(mesh, sharding.MeshLayout) else sharding.layout_of(mesh)
     self.batch_multiple = self.layout.batch_multiple
     self.tx = make_optimizer(opt_cfg)
-    if init_params is None:
+    if init_params is None and base is None:
       model = transformer.Decoder(model_cfg, nnx.Rngs(params=seed))
       self.graphdef, nnx_state = nnx.split(model)
       params = jax.device_get(nnx.to_pure_dict(nnx_state))
     else:  # a pretrained model: its structure only, no second copy of the weights
       self.graphdef, nnx_state = nnx.split(
           nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(0))))
-      params = init_params
+      params = init_params or {}
       if model_cfg.lora.rank and not lora.partition(params, model_cfg.lora)[0]:
         params = lora.combine(_fresh_adapters(model_cfg, seed), params)
     partition = functools.partial(lora.partition, lora=model_cfg.lora)
+    self._partition = partition
+    self.base: SharedBase | None = None
+    if model_cfg.lora.rank:
+      params, frozen = partition(params)
+      self.base = base if base is not None else SharedBase.holding(frozen)
+    shapes = nnx.to_pure_dict(nnx_state)
 
     def build() -> Steps:
       loss = functools.partial(loss_sum, graphdef=self.graphdef, cfg=grpo_cfg,
                                banned_ids=tuple(banned_ids))
       specs = sharding.param_specs(nnx_state, self.layout.abstract())
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
       return build_steps(loss, self.tx, abstract, specs, self.layout, bool(grpo_cfg.kl_coef),
                          partition, lora.combine)
     self._steps = (StepCache() if steps is None else steps).get(
@@ -198,7 +208,9 @@ class AgentTrainer:
 
   @property
   def params(self):
-    return self.state.params
+    """The full params: the state's, or a LoRA agent's adapters over its base (the copy
+    on the mesh it is bound to, else in host memory)."""
+    return self._with_base(self.state.params)
 
   @property
   def opt_state(self):
@@ -206,7 +218,25 @@ class AgentTrainer:
 
   @property
   def ref_params(self):
-    return self.state.ref_params
+    return None if self.state.ref_params is None else self._with_base(self.state.ref_params)
+
+  def _with_base(self, adapters):
+    if self.base is None:
+      return adapters
+    if self.mesh is None:
+      return lora.combine(adapters, self.base.host())
+    return lora.combine(adapters, self.base.on(
+        self.mesh, self._partition(self.shardings_on(self.mesh))[1]))
+
+  def place(self, params: dict, mesh: Mesh) -> dict:
+    """Published `params` on `mesh` (a rollout instance's devices, this layout): a copy,
+    but of a LoRA agent's adapters only, beside that device group's shared base."""
+    shardings = self.shardings_on(mesh)
+    if self.base is None:
+      return jax.device_put(params, shardings)
+    to_adapters, to_base = self._partition(shardings)
+    return lora.combine(jax.device_put(self._partition(params)[0], to_adapters),
+                        self.base.on(mesh, to_base))
 
   @property
   def shardings(self):
@@ -227,7 +257,10 @@ class AgentTrainer:
     return self._steps.shardings(mesh)['params']
 
   def _target(self, mesh: Mesh) -> OnMesh:
-    return OnMesh(mesh, self._steps.shardings(mesh))
+    shardings = self._steps.shardings(mesh)
+    if self.base is not None:  # the state holds adapters only
+      shardings = dict(shardings, params=self._partition(shardings['params'])[0])
+    return OnMesh(mesh, shardings)
 
   def prefetch(self, mesh: Mesh, executor: concurrent.futures.Executor) -> None:
     """Start moving the state onto `mesh` on `executor`; the next `bind(mesh)` takes it."""
@@ -302,6 +335,8 @@ class AgentTrainer:
       with jax.set_mesh(self.mesh):
         params, opt_state, grad_norm = self._steps.update(
             self.params, self.opt_state, self.state.grads, np.float32(divisor))
+      if self.base is not None:
+        params = self._partition(params)[0]
       self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
     self.state = dataclasses.replace(self.state, grads=None)
     pending = self._stats
