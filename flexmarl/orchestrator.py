@@ -258,6 +258,12 @@ class JointOrchestrator:
                                       values.get('entropy', math.nan), values['accuracy'])
               if warning:
                 log(f'warning: {warning}')
+              note = stalls.intervention(
+                  agent, self.step, values.get('entropy_coef', math.nan),
+                  self.agents[agent].spec.grpo.entropy_coef_min,
+                  values.get('entropy', math.nan), values['accuracy'])
+              if note:
+                log(note)
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
             log(format_step(self.step, self.spec.steps, lines))
           if (self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps

@@ -143,7 +143,8 @@ class Agent:
         [lp for g in micro for lp in g.served.logprobs],
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
-        pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple)
+        pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
+        correct=np.concatenate([g.correct for g in micro]))
     version = self.version
 
     def work() -> None:

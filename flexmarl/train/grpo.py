@@ -18,13 +18,17 @@ Options from the field, all per agent:
   [1 - low, 1 + high] (both default to `clip_eps`).
 - DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
   equal (`zero_spread`: their advantages are 0, they teach nothing).
-- An entropy bonus annealed linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
+- Entropy control (on by default, `entropy_target`): the entropy bonus's coefficient
+  is steered each update toward a target entropy scaled by the batch's error rate
+  (`next_log_entropy_coef`); or, with `entropy_target=0`, a fixed bonus annealed
+  linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
 - No optimizer step from a solved batch without advantage signal
   (`skip_without_signal`, on by default; `takes_step`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -59,7 +63,7 @@ def zero_spread_fraction(groups_rewards) -> float:
 
 
 def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
-  """The entropy bonus for an agent's update number `version`.
+  """The fixed entropy bonus (`entropy_target=0`) for an agent's update number `version`.
 
   Early on the bonus keeps a tiny policy from collapsing onto one answer; once
   groups agree (zero advantages), Adam would turn the bonus alone into full-size
@@ -68,6 +72,39 @@ def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   if not cfg.entropy_decay_steps:
     return cfg.entropy_coef
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
+
+
+def initial_log_entropy_coef(cfg: GRPOConfig) -> float:
+  """log of the controlled coefficient at version 0: `entropy_coef`, within the bounds."""
+  start = min(max(cfg.entropy_coef, cfg.entropy_coef_min), cfg.entropy_coef_max)
+  return math.log(start)
+
+
+def entropy_target_for(cfg: GRPOConfig, accuracy: float) -> float:
+  """The entropy per token the control steers toward after a batch of `accuracy`
+  (exact-match rate; NaN where the workflow did not say): `entropy_target` times the
+  error rate. An agent that is still often wrong must keep sampling other answers, or
+  its groups agree and GRPO has nothing to compare; one that is right may sharpen, and
+  pushing it toward randomness is what makes a solved policy drift (issue 22)."""
+  error = 1.0 if math.isnan(accuracy) else 1.0 - accuracy
+  return cfg.entropy_target * error
+
+
+def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
+                          accuracy: float) -> float:
+  """The log-coefficient after one update whose batch had `entropy` nats per token
+  (mean over its response tokens) and `accuracy`.
+
+  Moves by `entropy_rate` × (target - entropy) / entropy_target, that factor clipped to
+  [-1, 1]: up while the policy is less random than the target, down while it is more,
+  a log step so the coefficient crosses orders of magnitude in tens of updates; then
+  bounded to [entropy_coef_min, entropy_coef_max]. A NaN entropy (no tokens) keeps it.
+  """
+  if math.isnan(entropy):
+    return log_coef
+  gap = (entropy_target_for(cfg, accuracy) - entropy) / cfg.entropy_target
+  moved = log_coef + cfg.entropy_rate * min(1.0, max(-1.0, gap))
+  return min(math.log(cfg.entropy_coef_max), max(math.log(cfg.entropy_coef_min), moved))
 
 
 def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
