@@ -132,7 +132,6 @@ def test_schedules_follow_steps():
   c = hierarchical_assistant.get_config()
   c.steps = 300
   assert c.agents.router.optimizer.decay_steps == 300
-  assert c.agents.router.grpo.entropy_decay_steps == 160
   c.agents.router.optimizer.decay_steps = 50  # set on its own: the run keeps its length
   assert (c.steps, c.agents.adder.optimizer.decay_steps) == (300, 300)
 

@@ -99,7 +99,7 @@ def main(argv):
   c = _CONFIG.value
   if not _TRAIN.value:
     agent = next(iter(c.agents.values()))
-    print('schedules', c.steps, agent.optimizer.decay_steps, agent.grpo.entropy_decay_steps)
+    print('schedules', c.steps, agent.optimizer.decay_steps)
     return
   run.train(c, _WORKDIR.value, log=lambda *_: None)
   print('trained')
@@ -120,7 +120,7 @@ def test_a_script_with_its_own_flags_uses_the_library(tmp_path):
   # `--config.steps` shortens the experiments' schedules.
   out = _run(['script.py', f'--config={ROOT}/experiments/hierarchical_assistant.py',
               '--config.steps=300', '--notrain'], cwd=tmp_path)
-  assert 'schedules 300 300 160' in out.stdout, out.stderr[-3000:]
+  assert 'schedules 300 300' in out.stdout, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize('config,needles', [
