@@ -129,9 +129,12 @@ def _row(shape: str, seed, agent: str, r: dict) -> str:
   def f(x):
     return '–' if x is None or (isinstance(x, float) and math.isnan(x)) else (
         f'{x:.2f}' if isinstance(x, float) else str(x))
+
+  def g(x):
+    return '–' if x is None or math.isnan(x) else f'{x:.2g}'
   return (f"| {shape} | {seed} | {agent} | {f(r.get('best_constant'))} | "
           f"{f(r.get('end_accuracy'))} | {f(r.get('first_pass_step'))} | "
-          f"{f(r.get('end_entropy'))} | {f(r.get('end_entropy_coef'))} | "
+          f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_coef'))} | "
           f"{r.get('stall_warnings', '–')} | {r.get('interventions', '–')} |")
 
 
