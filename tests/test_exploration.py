@@ -18,7 +18,7 @@ from flexmarl.train.spec import GRPOConfig
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 CFG = GRPOConfig(entropy_target=0.3, entropy_rate=0.1, entropy_coef_min=1e-3,
-                 entropy_coef_max=1.0)
+                 entropy_coef_max=1.0, entropy_coef=0.1)
 
 
 def test_coefficient_rises_for_a_collapsed_wrong_agent_and_falls_for_a_solved_one():
@@ -30,8 +30,10 @@ def test_coefficient_rises_for_a_collapsed_wrong_agent_and_falls_for_a_solved_on
   assert up - start == pytest.approx(0.1 * (0.3 * 2 / 3 - 0.01) / 0.3)
   # Solved: the target is 0, any entropy is too much: down.
   assert grpo.next_log_entropy_coef(CFG, start, entropy=0.01, accuracy=1.0) < start
-  # Random and wrong (entropy far above the target): down by at most the rate.
-  assert grpo.next_log_entropy_coef(CFG, start, 3.0, 0.0) == pytest.approx(start - 0.1)
+  # Far above the target: down no faster than the agent succeeds (at least FALL_FLOOR).
+  assert grpo.next_log_entropy_coef(CFG, start, 3.0, 0.9) == pytest.approx(start - 0.09)
+  assert grpo.next_log_entropy_coef(CFG, start, 3.0, 0.0) == pytest.approx(
+      start - 0.1 * grpo.FALL_FLOOR)
   # Unknown correctness steers toward the whole target; no tokens keep it.
   assert grpo.entropy_target_for(CFG, math.nan) == 0.3
   assert grpo.next_log_entropy_coef(CFG, start, math.nan, 0.0) == start
@@ -41,9 +43,10 @@ def test_coefficient_stays_within_its_bounds():
   top, bottom = math.log(CFG.entropy_coef_max), math.log(CFG.entropy_coef_min)
   assert grpo.next_log_entropy_coef(CFG, top, 0.0, 0.0) == top
   assert grpo.next_log_entropy_coef(CFG, bottom, 5.0, 1.0) == bottom
-  assert math.exp(grpo.initial_log_entropy_coef(CFG)) == pytest.approx(1e-3)  # coef 0: min
-  started = GRPOConfig(entropy_coef=0.2)
-  assert math.exp(grpo.initial_log_entropy_coef(started)) == pytest.approx(0.2)
+  assert math.exp(grpo.initial_log_entropy_coef(CFG)) == pytest.approx(0.1)
+  for start, clamped in ((0.0, CFG.entropy_coef_min), (5.0, CFG.entropy_coef_max)):
+    cfg = GRPOConfig(entropy_coef=start, entropy_coef_min=1e-3, entropy_coef_max=1.0)
+    assert math.exp(grpo.initial_log_entropy_coef(cfg)) == pytest.approx(clamped)
 
 
 def _trainer(cfg: GRPOConfig, seed: int = 3) -> AgentTrainer:
@@ -104,7 +107,7 @@ def test_coefficient_survives_checkpoint_and_resume(tmp_path):
 def test_a_stalled_agent_gets_the_warning_and_the_intervention_line():
   """A collapsed agent, always wrong, all groups alike: the stall warning fires, the
   control raises its coefficient past RAISED x its floor, and says so once."""
-  cfg = GRPOConfig(entropy_target=10.0, entropy_rate=0.5)
+  cfg = GRPOConfig(entropy_target=10.0, entropy_rate=0.5, entropy_coef=1e-3)
   t = _trainer(cfg)
   watch = StallWatch(threshold=0.9, patience=3)
   warnings, notes = [], []

@@ -74,6 +74,12 @@ def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
 
 
+# The controlled coefficient falls at least this fraction of `entropy_rate` per update
+# while the policy is more random than its target, whatever the accuracy: a policy made
+# near-random by a high coefficient (accuracy ~0) must not keep it forever.
+FALL_FLOOR = 0.1
+
+
 def initial_log_entropy_coef(cfg: GRPOConfig) -> float:
   """log of the controlled coefficient at version 0: `entropy_coef`, within the bounds."""
   start = min(max(cfg.entropy_coef, cfg.entropy_coef_min), cfg.entropy_coef_max)
@@ -95,15 +101,20 @@ def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
   """The log-coefficient after one update whose batch had `entropy` nats per token
   (mean over its response tokens) and `accuracy`.
 
-  Moves by `entropy_rate` × (target - entropy) / entropy_target, that factor clipped to
-  [-1, 1]: up while the policy is less random than the target, down while it is more,
-  a log step so the coefficient crosses orders of magnitude in tens of updates; then
-  bounded to [entropy_coef_min, entropy_coef_max]. A NaN entropy (no tokens) keeps it.
+  Moves by `entropy_rate` × (target - entropy) / entropy_target, a log step: up while
+  the policy is less random than the target (by at most the rate), down while it is
+  more, but no faster than the agent succeeds: the factor is clipped below at
+  -max(accuracy, FALL_FLOOR). An agent that has found nothing yet keeps its pressure to
+  explore (measured: a coefficient that fell while a tiny policy was still random let
+  it collapse onto a constant answer within 60 updates, and one raised in a hurry
+  swung it to near-random answers and back); a solved one sheds it. Then bounded to
+  [entropy_coef_min, entropy_coef_max]. A NaN entropy (no tokens) keeps it.
   """
   if math.isnan(entropy):
     return log_coef
   gap = (entropy_target_for(cfg, accuracy) - entropy) / cfg.entropy_target
-  moved = log_coef + cfg.entropy_rate * min(1.0, max(-1.0, gap))
+  fall = 1.0 if math.isnan(accuracy) else max(accuracy, FALL_FLOOR)
+  moved = log_coef + cfg.entropy_rate * min(1.0, max(-fall, gap))
   return min(math.log(cfg.entropy_coef_max), max(math.log(cfg.entropy_coef_min), moved))
 
 

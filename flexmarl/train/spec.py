@@ -55,14 +55,14 @@ class GRPOConfig:
   # The entropy bonus. With `entropy_target` > 0 (the default) its coefficient is steered
   # each update toward a policy entropy of entropy_target nats per token times the
   # batch's error rate (grpo.next_log_entropy_coef): it rises while an agent that is
-  # still wrong has stopped exploring, and falls once it is right. `entropy_coef` is
-  # then the coefficient it starts from (0: entropy_coef_min).
+  # still wrong has stopped exploring, and falls as it gets right. `entropy_coef` is
+  # then the coefficient it starts from.
   entropy_target: float = 0.3  # nats per response token at 0% accuracy (0: no control)
-  entropy_rate: float = 0.1  # change of log(coefficient) per update at full error
+  entropy_rate: float = 0.1  # most change of log(coefficient) per update
   entropy_coef_min: float = 1e-3  # the coefficient stays within [min, max]
-  entropy_coef_max: float = 1.0
-  # With entropy_target=0: a fixed bonus at version 0, annealed linearly ...
-  entropy_coef: float = 0.0
+  entropy_coef_max: float = 0.5
+  # The coefficient at version 0; with entropy_target=0 a fixed bonus, annealed linearly ...
+  entropy_coef: float = 0.1
   entropy_decay_steps: int = 0  # ... to 0 over this many updates (0: constant).
   normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
   loss_norm: str = 'token'  # 'token': / tokens of the global batch; 'constant': Dr. GRPO.
