@@ -26,10 +26,12 @@ def test_coefficient_rises_for_a_collapsed_wrong_agent_and_falls_for_a_solved_on
   # Collapsed onto one answer (entropy 0.01) and wrong two times in three: up.
   up = grpo.next_log_entropy_coef(CFG, start, entropy=0.01, accuracy=1 / 3)
   assert up > start
-  # A full-size step only when the gap is the whole target; this one is 0.19 / 0.3.
-  assert up - start == pytest.approx(0.1 * (0.3 * 2 / 3 - 0.01) / 0.3)
-  # Solved: the target is 0, any entropy is too much: down.
-  assert grpo.next_log_entropy_coef(CFG, start, entropy=0.01, accuracy=1.0) < start
+  # By the rate times the relative gap: the target is 0.3 x 2/3 = 0.2.
+  assert up - start == pytest.approx(0.1 * (0.2 - 0.01) / 0.2)
+  # Solved: the target is 0, any entropy is too much: down at the full rate, however
+  # small the entropy (a solved agent keeps no pressure toward randomness).
+  assert grpo.next_log_entropy_coef(CFG, start, entropy=1e-4, accuracy=1.0) == (
+      pytest.approx(start - 0.1))
   # Far above the target: down no faster than the agent succeeds (at least FALL_FLOOR).
   assert grpo.next_log_entropy_coef(CFG, start, 3.0, 0.9) == pytest.approx(start - 0.09)
   assert grpo.next_log_entropy_coef(CFG, start, 3.0, 0.0) == pytest.approx(

@@ -101,10 +101,11 @@ def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
   """The log-coefficient after one update whose batch had `entropy` nats per token
   (mean over its response tokens) and `accuracy`.
 
-  Moves by `entropy_rate` × (target - entropy) / entropy_target, a log step: up while
-  the policy is less random than the target (by at most the rate), down while it is
-  more, but no faster than the agent succeeds: the factor is clipped below at
-  -max(accuracy, FALL_FLOOR). An agent that has found nothing yet keeps its pressure to
+  Moves by `entropy_rate` × (target - entropy) / max(target, entropy), a log step: up
+  while the policy is less random than the target, down while it is more (a relative
+  gap in [-1, 1]: a solved agent, target 0, sheds its coefficient at the full rate,
+  however small its entropy), but no faster than the agent succeeds: the factor is
+  clipped below at -max(accuracy, FALL_FLOOR). An agent that has found nothing yet keeps its pressure to
   explore (measured: a coefficient that fell while a tiny policy was still random let
   it collapse onto a constant answer within 60 updates, and one raised in a hurry
   swung it to near-random answers and back); a solved one sheds it. Then bounded to
@@ -112,7 +113,8 @@ def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
   """
   if math.isnan(entropy):
     return log_coef
-  gap = (entropy_target_for(cfg, accuracy) - entropy) / cfg.entropy_target
+  target = entropy_target_for(cfg, accuracy)
+  gap = (target - entropy) / max(target, entropy, 1e-9)
   fall = 1.0 if math.isnan(accuracy) else max(accuracy, FALL_FLOOR)
   moved = log_coef + cfg.entropy_rate * min(1.0, max(-fall, gap))
   return min(math.log(cfg.entropy_coef_max), max(math.log(cfg.entropy_coef_min), moved))

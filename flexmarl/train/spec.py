@@ -57,7 +57,7 @@ class GRPOConfig:
   # batch's error rate (grpo.next_log_entropy_coef): it rises while an agent that is
   # still wrong has stopped exploring, and falls as it gets right. `entropy_coef` is
   # then the coefficient it starts from.
-  entropy_target: float = 0.3  # nats per response token at 0% accuracy (0: no control)
+  entropy_target: float = 1.0  # nats per response token at 0% accuracy (0: no control)
   entropy_rate: float = 0.1  # most change of log(coefficient) per update
   entropy_coef_min: float = 1e-3  # the coefficient stays within [min, max]
   entropy_coef_max: float = 0.5
