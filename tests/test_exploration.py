@@ -125,7 +125,15 @@ def test_a_stalled_agent_gets_the_warning_and_the_intervention_line():
   assert len(raised) == 1  # once per rise
   assert "agent 'a': the framework raises its entropy bonus" in notes[raised[0]]
   coef = float(notes[raised[0]].split('entropy_coef ')[1].split(',')[0])
-  assert coef >= RAISED * cfg.entropy_coef_min
+  assert coef >= RAISED * cfg.entropy_coef_min and f'from {cfg.entropy_coef_min:.3g}' in (
+      notes[raised[0]])
+
+
+def test_intervention_line_for_a_rise_from_a_high_start():
+  watch = StallWatch()
+  lines = [watch.intervention('a', s, c, 1e-3) for s, c in enumerate([0.1, 0.2, 0.39, 0.41])]
+  assert [s for s, l in enumerate(lines) if l] == [3]  # 4x its lowest, 0.1
+  assert watch.intervention('a', 4, 0.5, 1e-3) is None  # the same rise: said once
 
 
 def test_intervention_line_is_not_printed_for_a_high_start_or_without_control():
