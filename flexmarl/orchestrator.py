@@ -268,6 +268,12 @@ class JointOrchestrator:
                                       values.get('entropy', math.nan), values['accuracy'])
               if warning:
                 log(f'warning: {warning}')
+              note = stalls.intervention(
+                  agent, self.step, values.get('entropy_coef', math.nan),
+                  self.agents[agent].spec.grpo.entropy_coef_min,
+                  values.get('entropy', math.nan), values['accuracy'])
+              if note:
+                log(note)
           for warning in self.starvation.end_step(self.step):
             log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:

@@ -144,7 +144,8 @@ class Agent:
         np.concatenate([g.advantages for g in micro]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
-        on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)])
+        on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
+        correct=np.concatenate([g.correct for g in micro]))
     version = self.version
 
     def work() -> None:

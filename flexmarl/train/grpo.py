@@ -18,13 +18,17 @@ Options from the field, all per agent:
   [1 - low, 1 + high] (both default to `clip_eps`).
 - DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
   equal (`zero_spread`: their advantages are 0, they teach nothing).
-- An entropy bonus annealed linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
+- Entropy control (on by default, `entropy_target`): the entropy bonus's coefficient
+  is steered each update toward a target entropy scaled by the batch's error rate
+  (`next_log_entropy_coef`); or, with `entropy_target=0`, a fixed bonus annealed
+  linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
 - No optimizer step from a solved batch without advantage signal
   (`skip_without_signal`, on by default; `takes_step`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -59,7 +63,7 @@ def zero_spread_fraction(groups_rewards) -> float:
 
 
 def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
-  """The entropy bonus for an agent's update number `version`.
+  """The fixed entropy bonus (`entropy_target=0`) for an agent's update number `version`.
 
   Early on the bonus keeps a tiny policy from collapsing onto one answer; once
   groups agree (zero advantages), Adam would turn the bonus alone into full-size
@@ -68,6 +72,52 @@ def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   if not cfg.entropy_decay_steps:
     return cfg.entropy_coef
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
+
+
+# The controlled coefficient falls at least this fraction of `entropy_rate` per update
+# while the policy is more random than its target, whatever the accuracy: a policy made
+# near-random by a high coefficient (accuracy ~0) must not keep it forever.
+FALL_FLOOR = 0.1
+
+
+def initial_log_entropy_coef(cfg: GRPOConfig) -> float:
+  """log of the controlled coefficient at version 0: `entropy_coef`, within the bounds."""
+  start = min(max(cfg.entropy_coef, cfg.entropy_coef_min), cfg.entropy_coef_max)
+  return math.log(start)
+
+
+def entropy_target_for(cfg: GRPOConfig, accuracy: float) -> float:
+  """The entropy per token the control steers toward after a batch of `accuracy`
+  (exact-match rate; NaN where the workflow did not say): `entropy_target` times the
+  error rate. An agent that is still often wrong must keep sampling other answers, or
+  its groups agree and GRPO has nothing to compare; one that is right may sharpen, and
+  pushing it toward randomness is what makes a solved policy drift (issue 22)."""
+  error = 1.0 if math.isnan(accuracy) else 1.0 - accuracy
+  return cfg.entropy_target * error
+
+
+def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
+                          accuracy: float) -> float:
+  """The log-coefficient after one update whose batch had `entropy` nats per token
+  (mean over its response tokens) and `accuracy`.
+
+  Moves by `entropy_rate` × (target - entropy) / max(target, entropy), a log step: up
+  while the policy is less random than the target, down while it is more (a relative
+  gap in [-1, 1]: a solved agent, target 0, sheds its coefficient at the full rate,
+  however small its entropy), but no faster than the agent succeeds: the factor is
+  clipped below at -max(accuracy, FALL_FLOOR). An agent that has found nothing yet keeps its pressure to
+  explore (measured: a coefficient that fell while a tiny policy was still random let
+  it collapse onto a constant answer within 60 updates, and one raised in a hurry
+  swung it to near-random answers and back); a solved one sheds it. Then bounded to
+  [entropy_coef_min, entropy_coef_max]. A NaN entropy (no tokens) keeps it.
+  """
+  if math.isnan(entropy):
+    return log_coef
+  target = entropy_target_for(cfg, accuracy)
+  gap = (target - entropy) / max(target, entropy, 1e-9)
+  fall = 1.0 if math.isnan(accuracy) else max(accuracy, FALL_FLOOR)
+  moved = log_coef + cfg.entropy_rate * min(1.0, max(-fall, gap))
+  return min(math.log(cfg.entropy_coef_max), max(math.log(cfg.entropy_coef_min), moved))
 
 
 def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],

@@ -1,0 +1,176 @@
+"""Do teams nobody tuned learn? Team shapes × seeds, with the library's GRPO and
+optimizer defaults only (each agent's `grpo` and `optimizer` sections reset).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python experiments/benchmarks/robustness.py [--quick] [--seeds=0,1,2] \
+      [--shapes=router_specialists,solver_verifier,planner_workers_judge]
+  python experiments/benchmarks/robustness.py --analyze=RUN_DIR  # one finished run
+
+Shapes, each an existing experiment with its per-team tuning removed:
+- router_specialists: the default experiment (router + reverser, sorter, adder; Zipf 1.0);
+- solver_verifier: a solver answers sums, a verifier says y/n to each answer;
+- planner_workers_judge: a planner, a worker called twice in parallel, a judge.
+
+Per agent: the best constant answer's exact-match rate, the accuracy at the end (mean
+over the last 5% of its updates), the first step where a 10-update mean passes 0.9,
+the policy entropy at the end (same window), the entropy coefficient at the end, stall
+warnings and intervention lines. `--quick`: one seed, short runs (a smoke test of the
+suite, not a verdict). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+_QUICK = flags.DEFINE_bool('quick', False, 'One seed, short runs: a smoke test.')
+_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds per shape.')
+_SHAPES = flags.DEFINE_list('shapes', ['router_specialists', 'solver_verifier',
+                                       'planner_workers_judge'], 'Team shapes to run.')
+_ANALYZE = flags.DEFINE_string('analyze', '', 'Only report on this finished run folder.')
+
+END_FRACTION = 0.05  # the end: the last 5% of an agent's updates
+PASS, PASS_WINDOW = 0.9, 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  experiment: str  # module under experiments/
+  steps: int  # full run
+  quick_steps: int
+
+
+SHAPES = {
+    'router_specialists': Shape('hierarchical_assistant', 1500, 300),
+    'solver_verifier': Shape('solver_verifier', 400, 150),
+    'planner_workers_judge': Shape('planner_workers_judge', 600, 200),
+}
+
+
+def untuned_config(shape: Shape, seed: int, steps: int):
+  """The experiment's config with every agent's GRPO and optimizer at library defaults."""
+  import importlib
+
+  from flexmarl.config import agent_config
+  config = importlib.import_module(f'experiments.{shape.experiment}').get_config()
+  defaults = agent_config()
+  for name in config.agents:
+    config.agents[name].grpo = defaults.grpo
+    config.agents[name].optimizer = defaults.optimizer
+  config.seed, config.steps = seed, steps
+  config.checkpoint_every = steps
+  return config
+
+
+def best_constants(config) -> dict[str, float]:
+  """Each agent's exact-match rate of its best constant answer over the task
+  distribution; NaN where it depends on another agent (the verifier)."""
+  from experiments import team_of_three
+  from flexmarl.workflows import tasks
+  wf = config.workflow
+  rng = np.random.default_rng(0)
+
+  def family(name: str, args: dict) -> float:
+    counts = collections.Counter(tasks.FAMILIES[name](rng, **args).answer for _ in range(4000))
+    return max(counts.values()) / 4000
+  if 'team_of_three' in wf.name:
+    return team_of_three.best_constant_accuracy()
+  if wf.name == 'solver_verifier':
+    return {wf.solver: family(wf.family, dict(wf.task_args)), wf.verifier: math.nan}
+  out = {wf.router: float(tasks.zipf_probs(len(wf.specialists), wf.zipf).max())}
+  for fam, agent in wf.specialists:
+    out[agent] = family(fam, dict(wf.task_args.get(fam, {})))
+  return out
+
+
+def agent_report(lines: list[dict], agent: str) -> dict:
+  """The suite's figures for one agent from its metrics lines."""
+  mine = sorted((l for l in lines if l['agent'] == agent and l.get('updated')),
+                key=lambda l: l['step'])
+  if not mine:
+    return dict(updates=0)
+  acc = np.array([l['accuracy'] for l in mine], np.float64)
+  end = max(1, int(math.ceil(END_FRACTION * len(mine))))
+  rolling = np.convolve(np.nan_to_num(acc), np.ones(PASS_WINDOW) / PASS_WINDOW, 'valid')
+  passed = np.flatnonzero(rolling >= PASS)
+  return dict(
+      updates=len(mine), end_accuracy=float(np.nanmean(acc[-end:])),
+      first_pass_step=int(mine[passed[0] + PASS_WINDOW - 1]['step']) if passed.size else None,
+      end_entropy=float(np.mean([l['entropy'] for l in mine[-end:]])),
+      end_entropy_coef=float(np.mean([l.get('entropy_coef', math.nan) for l in mine[-end:]])))
+
+
+def report(workdir: str, constants: dict[str, float], log_lines: list[str]) -> dict:
+  from flexmarl.metrics.writer import read_metrics
+  lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  agents = sorted({l['agent'] for l in lines} - {'team'})
+  out = {}
+  for agent in agents:
+    r = agent_report(lines, agent)
+    r['best_constant'] = constants.get(agent, math.nan)
+    r['stall_warnings'] = sum(f"agent {agent!r} has stalled" in s for s in log_lines)
+    r['interventions'] = sum(f"agent {agent!r}: the framework raises" in s for s in log_lines)
+    out[agent] = r
+  return out
+
+
+def _row(shape: str, seed, agent: str, r: dict) -> str:
+  def f(x):
+    return '–' if x is None or (isinstance(x, float) and math.isnan(x)) else (
+        f'{x:.2f}' if isinstance(x, float) else str(x))
+
+  def g(x):
+    return '–' if x is None or math.isnan(x) else f'{x:.2g}'
+  return (f"| {shape} | {seed} | {agent} | {f(r.get('best_constant'))} | "
+          f"{f(r.get('end_accuracy'))} | {f(r.get('first_pass_step'))} | "
+          f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_coef'))} | "
+          f"{r.get('stall_warnings', '–')} | {r.get('interventions', '–')} |")
+
+
+HEADER = ('| shape | seed | agent | best constant | end accuracy | first ≥0.9 | end entropy '
+          '| end coef | stall warnings | interventions |\n' + '|---' * 10 + '|')
+
+
+def main(argv):
+  del argv
+  if _ANALYZE.value:
+    log = os.path.join(_ANALYZE.value, 'log.txt')
+    log_lines = open(log).read().splitlines() if os.path.exists(log) else []
+    result = report(_ANALYZE.value, {}, log_lines)
+    print(HEADER)
+    for agent, r in result.items():
+      print(_row(os.path.basename(_ANALYZE.value), '–', agent, r))
+    print(json.dumps(result))
+    return
+  from flexmarl import run
+  seeds = [int(s) for s in _SEEDS.value][:1 if _QUICK.value else None]
+  results = []
+  print(HEADER, flush=True)
+  for name in _SHAPES.value:
+    shape = SHAPES[name]
+    for seed in seeds:
+      config = untuned_config(shape, seed, shape.quick_steps if _QUICK.value else shape.steps)
+      log_lines: list[str] = []
+      with tempfile.TemporaryDirectory() as workdir:
+        run.train(config, workdir, log=log_lines.append,
+                  experiment=f'experiments/{shape.experiment}.py')
+        result = report(workdir, best_constants(config), log_lines)
+      for agent, r in result.items():
+        print(_row(name, seed, agent, r), flush=True)
+      results.append(dict(shape=name, seed=seed, steps=config.steps, agents=result))
+  print(json.dumps(results))
+
+
+if __name__ == '__main__':
+  app.run(main)
