@@ -4,7 +4,8 @@ bound by `allocate`, released to host memory and, past the host budget, to stora
 for every schedule.
 
 The engine blocks its caller as the real copies do: a release waits for the work on the
-mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute."""
+mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute (unless
+the trainers' swaps are overlapped, as the paper's are: then nothing blocks)."""
 
 import asyncio
 import tempfile
@@ -142,7 +143,7 @@ def test_host_budget_without_storage_is_refused():
     _run(setup, 'sync')
 
 
-def _pool(clock, meshes, storage_bytes_per_s=0.0):
+def _pool(clock, meshes, storage_bytes_per_s=0.0, overlapped_swaps=False):
   """Trainers a, b, c of 1 GB states on `meshes` one-device meshes (links of 1 GB/s)."""
   sim = {f'pool{i}': SimMesh(DeviceGroup(clock, f'train/pool{i}'),
                              Link(DeviceGroup(clock, f'link/pool{i}'), 1e9))
@@ -150,7 +151,8 @@ def _pool(clock, meshes, storage_bytes_per_s=0.0):
   storage = (Link(DeviceGroup(clock, 'link/storage'), storage_bytes_per_s)
              if storage_bytes_per_s else None)
   trainers = {n: SimTrainer(n, clock, 0.0, 0.0, group=None, state_bytes=int(1e9),
-                            storage=storage) for n in AGENTS}
+                            storage=storage, overlapped_swaps=overlapped_swaps)
+              for n in AGENTS}
   return trainers, [PoolMesh(name, (i,), (1, 1)) for i, name in enumerate(sim)], sim
 
 
@@ -172,6 +174,26 @@ def test_waiting_agent_is_prefetched_while_the_resident_computes():
   assert stats['swaps'] == 1 and stats['swap_s'] == 1.0 and stats['swap_wait_s'] == 0.0
   assert isinstance(trainers['a'].state.location, OnHost)
   assert trainers['c'].state.location == OnMesh(sim['pool0'], {})
+
+
+def test_overlapped_swaps_return_at_once_and_hold_back_only_the_mesh():
+  # As above, with swaps that do not block the caller (the paper's engine): nothing
+  # advances the clock. a in on pool0 [0, 1], b in on pool1 [0, 1] (links of their own);
+  # c is prefetched onto pool0 after a's copy [1, 2]; a and b work [1, 3]. c takes
+  # pool0: a's copy out waits for a's work [3, 4], c's state is there already and c
+  # works right after a [3, 5] (two states fit on a mesh).
+  clock = SimClock()
+  trainers, meshes, sim = _pool(clock, 2, overlapped_swaps=True)
+  engine = TrainingEngine(trainers, meshes, clock=clock,
+                          make_mesh=lambda mesh, layout: sim[mesh.name])
+  ends = {}
+  for n in AGENTS:
+    engine.submit(n, lambda n=n: ends.setdefault(n, trainers[n]._run('work', 2.0)))
+  engine.run()
+  assert ends == dict(a=3.0, b=3.0, c=5.0)
+  assert clock.now() == 0.0
+  assert sim['pool0'].host.group.busy_until == 4.0  # a's copy out
+  assert isinstance(trainers['a'].state.location, OnHost)
 
 
 def test_pool_sends_least_recently_used_states_to_storage():

@@ -26,7 +26,9 @@ default 0: no limit): the most devices one row of a micro-batch keeps busy in tr
 runs no faster). `decode_step_overhead_s` (setup, default 0): latency of a decode step
 beyond reading the weights (costs.decode_rates). `links` (setup): the bandwidths of
 a device's link to host memory and of storage (`host_bytes_per_s_per_device`,
-`storage_bytes_per_s`), for swaps and colocated phase changes; `compile_s` (setup):
+`storage_bytes_per_s`), for swaps and colocated phase changes; `overlapped_swaps`
+(setup, default False: swaps block the orchestrator, as this framework's do) lets
+swaps overlap everything but the mesh's own work (sim.trainer); `compile_s` (setup):
 {train, rollout} seconds of a first call per model and mesh shape.
 """
 
@@ -241,7 +243,8 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
                       micro_batch_s=c.micro_batch_s, padded=padded, load_s=load_s,
                       offload_s=offload_s, compile=(train_compiled, (s.get('model'), devices)),
                       layout=sharding.layout(placement.train[name].shape),
-                      state_bytes=state, storage=storage)
+                      state_bytes=state, storage=storage,
+                      overlapped_swaps=bool(setup.get('overlapped_swaps', False)))
 
   def sampler(name, a, trainer):
     s = setup.agents[name]

@@ -19,6 +19,12 @@ the mesh is done (the state is its result); `prefetch` only reserves the link, s
 copy overlaps the resident agent's compute. Memory for two states on a mesh at once is
 assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
 
+With `overlapped_swaps` (the paper's engine: "swap cost is hidden behind rollout time"),
+`bind` and `release` return at once: the copy is reserved on the link and only the work
+on the mesh, and the state's next copy, wait for it. Then a swap holds up the training
+but never the rollout, which a blocking swap stalls (the orchestrator that waits for it
+also drives the rollout).
+
 A colocated trainer (rollout and training on the same devices, as hybrid engines do)
 loads its train state onto the devices before the first micro-batch of an update
 (`load_s`) and offloads it after the optimizer step (`offload_s`), so the rollout gets
@@ -82,6 +88,7 @@ class SimTrainer:
   layout: the mesh shape it trains on (a pool binds it to meshes of that shape).
   state_bytes: its train state, what a swap copies; storage: the link that writes host
   states to storage (its bandwidth also that of reads from storage), None: no storage.
+  overlapped_swaps: swaps do not block the caller (see the module doc).
   """
 
   batch_multiple = 1
@@ -91,7 +98,8 @@ class SimTrainer:
                load_s: float = 0.0, offload_s: float = 0.0,
                compile: tuple[CompileCache, Hashable] | None = None,
                layout: sharding.MeshLayout = sharding.MeshLayout((1, 1), ('data', 'model')),
-               state_bytes: int = 0, storage: Link | None = None):
+               state_bytes: int = 0, storage: Link | None = None,
+               overlapped_swaps: bool = False):
     if min(token_s, optimizer_s, micro_batch_s, load_s, offload_s) < 0:
       raise ValueError(f'SimTrainer {name!r}: token_s={token_s}, optimizer_s={optimizer_s}, '
                        f'micro_batch_s={micro_batch_s}, load_s={load_s}, offload_s={offload_s};'
@@ -100,6 +108,8 @@ class SimTrainer:
     self.token_s, self.optimizer_s, self.micro_batch_s = token_s, optimizer_s, micro_batch_s
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
     self.layout, self.state_bytes, self.storage = layout, state_bytes, storage
+    self.overlapped_swaps = overlapped_swaps
+    self._ready = 0.0  # with overlapped swaps: when the state copied onto its mesh is there
     self.mesh: SimMesh | None = None  # the pool mesh it is bound to
     self._location: Location = OnHost() if group is None else OnMesh(group, {})
     self._incoming: tuple[SimMesh, Location, float, float] | None = None  # a prefetch
@@ -116,7 +126,8 @@ class SimTrainer:
     if self.group is None:
       raise RuntimeError(f'agent {self.name!r} is not bound to a mesh (its state is in '
                          f'{kind(self._location)}): the engine binds it before its work.')
-    return self.group.run(name, seconds, agent=self.name, version=self._update, **args)
+    return self.group.run(name, seconds, self._ready, agent=self.name, version=self._update,
+                          **args)
 
   # -- where the state lives (the engine's PoolTrainer) ---------------------------------
 
@@ -138,11 +149,19 @@ class SimTrainer:
     """Reserve the mesh's link for the state's copy onto it, from host or storage."""
     rate = (self._storage().bytes_per_s if isinstance(self._location, InStorage)
             else mesh.host.bytes_per_s)
-    return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}))
+    return self._copy(mesh.host, spans.SWAP_IN, rate, OnMesh(mesh, {}), self._ready)
 
   def _wait(self, end: float) -> None:
     if self.clock.now() < end:
       self.clock.advance_to(end)
+
+  def _settle(self, end: float) -> None:
+    """A copy that ends at `end`: wait for it, or, with overlapped swaps, only keep
+    what comes next (work on the mesh, a further copy) from starting before it."""
+    if self.overlapped_swaps:
+      self._ready = end
+    else:
+      self._wait(end)
 
   def prefetch(self, mesh: SimMesh, executor: concurrent.futures.Executor | None = None
                ) -> None:
@@ -154,7 +173,8 @@ class SimTrainer:
 
   def bind(self, mesh: SimMesh) -> Transfer:
     """Copy the state onto `mesh` (or take the prefetched copy) and wait until it is
-    there; a no-op when it is bound there already."""
+    there (with `overlapped_swaps`, return at once: its work on the mesh starts when
+    the copy ends); a no-op when it is bound there already."""
     if self.mesh is mesh:
       return Transfer('mesh', 'mesh', 0, 0.0)
     if self.mesh is not None:
@@ -164,14 +184,15 @@ class SimTrainer:
       end, seconds = incoming[2:]
     else:
       end, seconds = self._copy_in(mesh)
-    self._wait(end)
+    self._settle(end)
     source = kind(self._location)
     self.mesh, self.group, self._location = mesh, mesh.compute, OnMesh(mesh, {})
     return Transfer(source, 'mesh', self.state_bytes, seconds)
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
     """Copy the state off its mesh (once the work dispatched there is done) or from
-    host memory to storage, and wait until it is there."""
+    host memory to storage, and wait until it is there (with `overlapped_swaps`, a copy
+    off the mesh returns at once)."""
     source = self._location
     if source == to:
       return Transfer(kind(source), kind(to), 0, 0.0)
@@ -182,8 +203,9 @@ class SimTrainer:
                                 earliest=self.mesh.compute.busy_until)
     else:
       storage = self._storage()
-      end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to)
-    self._wait(end)
+      end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to,
+                                earliest=self._ready)
+    self._settle(end)
     self.mesh = self.group = None
     self._location = to
     return Transfer(kind(source), kind(to), self.state_bytes, seconds)
