@@ -318,7 +318,9 @@ class TrainingEngine:
     meshes = list(targets.values())
     for w in unserved:
       if w.agent in self._moving:
-        continue
+        if not self._moving[w.agent][0].done():
+          continue
+        self._settle(w.agent)
       mesh = targets.get(w.agent)
       if mesh is None or mesh not in meshes:
         mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
