@@ -136,7 +136,7 @@ class JointOrchestrator:
     newer one is skipped, and said so); 0 if none."""
     step, states, metas, warnings = restore_latest(
         {n: a.checkpointer for n, a in self.agents.items()},
-        {n: a.trainer.train_state() for n, a in self.agents.items()})
+        {n: a.train_state() for n, a in self.agents.items()})
     for warning in warnings:
       log(f'warning: {warning}')
     if not step:
@@ -187,7 +187,7 @@ class JointOrchestrator:
     meta = {'step': self.step, 'next_query': self.next_query}
     carried = self.schedule.carried()
     for name, agent in self.agents.items():
-      agent.checkpointer.save(self.step, agent.trainer.train_state(),
+      agent.checkpointer.save(self.step, agent.train_state(),
                               dict(meta, version=agent.version,
                                    buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():

@@ -114,8 +114,17 @@ class Agent:
       self.recorder.add(f'rollout:{inst.name}', spans.WEIGHT_SYNC, start, end, agent=self.name,
                         version=weights.version, bytes=nbytes)
 
+  def train_state(self) -> dict:
+    """The trainer's state for a checkpoint, once no copy of it is in flight (a training
+    pool moves states on threads of its own)."""
+    if self.engine is not None:
+      self.engine.wait(self.name)
+    return self.trainer.train_state()
+
   def restore(self, train_state: dict, version: int) -> None:
     """Take a checkpoint's state as version `version` and serve it."""
+    if self.engine is not None:
+      self.engine.wait(self.name)  # a copy in flight would overwrite it
     self.trainer.load_train_state(train_state)
     self.version = version
     self._unpublished = Weights(self.trainer.params, version)

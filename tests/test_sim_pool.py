@@ -3,9 +3,11 @@ bound by `allocate`, released to host memory and, past the host budget, to stora
 `evict_lru`, every swap a state's bytes over a link; the step times worked out on paper,
 for every schedule.
 
-The engine blocks its caller as the real copies do: a release waits for the work on the
-mesh and its copy out, a bind for the copy in; only a prefetch overlaps compute (unless
-the trainers' swaps are overlapped, as the paper's are: then nothing blocks)."""
+The engine treats the simulated copies as it does the real ones: a bind blocks its caller
+until the state is on the mesh; a release (on a copy thread in a real run) does not: its
+copy starts once the work on the mesh is done and occupies the mesh's link, while the
+next agent computes there; a prefetch overlaps the resident's compute. (With the
+trainers' `overlapped_swaps`, as the paper's engine, binds do not block either.)"""
 
 import asyncio
 import tempfile
@@ -22,7 +24,7 @@ from flexmarl.sim.team import sim_factories, sim_team_spec
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import FILLER, RouterWorkflow
 from flexmarl.tokenizer import build_char_tokenizer
-from flexmarl.train.engine import PoolMesh, TrainingEngine
+from flexmarl.train.engine import PoolMesh, TrainingEngine, inline
 from flexmarl.train.state import InStorage, OnHost, OnMesh
 from flexmarl.workflows.base import Episode, Query
 
@@ -38,24 +40,31 @@ W = 1e9 / 0.5e9  # a state written to storage at 0.5 GB/s
 
 EXPECTED = {
     # Rollout 2Q. a binds to pool0 (S), trains 2A + OPT; b to the empty pool1 (S), trains
-    # 2B + OPT; c takes pool0 (idle longest): a out (S), c in (S), trains 2C + OPT.
-    # Step 2: each agent takes the mesh idle longest, whose resident leaves first:
-    # a: b out, a in; b: c out, b in; c: a out, c in — six swaps of S.
-    'sync': [2 * Q + 4 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
-             2 * Q + 6 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
+    # 2B + OPT; c takes pool0 (idle longest): its micro-batches, queued first, had its
+    # state prefetched onto pool0 (S, waited for: the step follows at once); a's copy out
+    # (S) comes next on pool0's link, while c trains 2C + OPT: hidden.
+    # Step 2: each agent takes the mesh idle longest: its state is prefetched there (S,
+    # waited for), and the resident's copy out overlaps its training: three swaps of S
+    # in the way (before the copies out ran off the caller's thread: six).
+    'sync': [2 * Q + 3 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
+             2 * Q + 3 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
     # Rollout 2Q. a in on the empty pool0 (S) at 2Q, its work dispatched; b in on the
-    # empty pool1 (S); c's micro-batches wait (no mesh without a state) while its state
-    # is prefetched onto pool0 (S, over the link a's copy in has left). c's step: a out
-    # once a's work is done (2Q + S + 2A + OPT), S; c's state is there already; c's work.
-    'sync_parallel': [2 * Q + S + (2 * A + OPT) + S + (2 * C + OPT)],
+    # empty pool1 (S), its work 2B + OPT; c's micro-batches wait (no mesh without a state)
+    # while its state is prefetched onto pool0 (S, over the link a's copy in has left).
+    # c's step: a's copy out waits for a's work and does not hold up c, whose state is
+    # there already: c's work follows a's at 2Q + S + 2A + OPT, ending 2C + OPT later
+    # (before the copy out ran off the caller's thread, S later). b ends last.
+    'sync_parallel': [max(2 * Q + 2 * S + (2 * B + OPT),
+                          2 * Q + S + (2 * A + OPT) + (2 * C + OPT))],
     # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on the empty pool1
     # (S), B; c's micro-batch waits: no mesh without a state, and a micro-batch is not
     # worth a swap; its state is prefetched onto pool0 meanwhile. Only then does the
     # rollout admit query 1 (the binds blocked it), which ends Q later. a's second
     # micro-batch and step follow on pool0 (its first one is done); b's on pool1 end
-    # before c's. c's step is urgent: a out once its work is done (S), c's state is on
-    # pool0 already; c's two micro-batches and step.
-    'flexmarl': [2 * Q + 2 * S + (A + OPT) + S + (2 * C + OPT)],
+    # before c's. c's step is urgent: a's copy out (S) waits for a's work and overlaps
+    # c's; c's state is on pool0 already: c's two micro-batches and step follow a's work
+    # at once (before the copy out ran off the caller's thread, S later).
+    'flexmarl': [2 * Q + 2 * S + (A + OPT) + (2 * C + OPT)],
 }
 SWAPS = {'sync': dict(a=2, b=1, c=1), 'sync_parallel': dict(a=2, b=1, c=1),
          'flexmarl': dict(a=2, b=1, c=1)}  # in the first step
@@ -124,11 +133,13 @@ def test_three_agents_on_two_meshes_step_times_by_hand(schedule):
 
 
 def test_host_budget_sends_the_least_recently_used_state_to_storage():
-  # sync, as above, with host memory for one state: when c takes pool0, a (out) and c
-  # (waiting, kept) are on the host; a, the least recently used, is written to storage
-  # (W) before c's copy in.
+  # sync, as above, with host memory for one state: when c takes pool0, a (going out)
+  # and c (waiting, kept) are on the host; a, the least recently used, is written to
+  # storage (W) after its copy out (S), on links, while c trains: the step ends with c's
+  # step, as without a budget (the write ends S + W - (2C + OPT) = 0.1 s after it, in
+  # the next rollout, which does not need it).
   lines, agents = _run(_setup(host_budget=int(1.5e9)), 'sync')
-  assert lines[0][TEAM]['step_time_s'] == pytest.approx(EXPECTED['sync'][0] + W, abs=1e-9)
+  assert lines[0][TEAM]['step_time_s'] == pytest.approx(EXPECTED['sync'][0], abs=1e-9)
   assert isinstance(agents['a'].trainer.state.location, InStorage)
   assert lines[0]['a']['swaps'] == 3
   assert lines[0]['a']['swap_s'] == pytest.approx(2 * S + W)
@@ -159,19 +170,23 @@ def _pool(clock, meshes, storage_bytes_per_s=0.0, overlapped_swaps=False):
 def test_waiting_agent_is_prefetched_while_the_resident_computes():
   # Work of 2 s for a, b and c at once, two meshes. a in on pool0 [0, 1], b in on pool1
   # [1, 2] (binds wait for their copies); c, unserved, is prefetched onto pool0 [2, 3];
-  # a and b work [2, 4]. c takes pool0: a out once its work is done [4, 5], c's state
-  # is there already: c works [5, 7] (without the prefetch: c in [5, 6], works [6, 8]).
+  # a and b work [2, 4]. c takes pool0 at 2: a's copy out waits for a's work [4, 5] and
+  # not the caller; c's bind waits for its prefetch (2 -> 3), and c works right after a
+  # [4, 6] (with the copy out blocking the caller: c works [5, 7]).
   clock = SimClock()
   trainers, meshes, sim = _pool(clock, 2)
   engine = TrainingEngine(trainers, meshes, clock=clock,
-                          make_mesh=lambda mesh, layout: sim[mesh.name])
+                          make_mesh=lambda mesh, layout: sim[mesh.name], make_executor=inline)
   ends = {}
   for n in AGENTS:
     engine.submit(n, lambda n=n: ends.setdefault(n, trainers[n].group.run('work', 2.0)))
   engine.run()
-  assert ends == dict(a=4.0, b=4.0, c=7.0)
+  assert ends == dict(a=4.0, b=4.0, c=6.0)
+  assert clock.now() == 3.0
+  assert sim['pool0'].host.group.busy_until == 5.0  # a's copy out
   stats = engine.step_stats('c')
-  assert stats['swaps'] == 1 and stats['swap_s'] == 1.0 and stats['swap_wait_s'] == 0.0
+  assert stats['swaps'] == 1 and stats['swap_s'] == 1.0 and stats['swap_wait_s'] == 1.0
+  assert engine.step_stats('a')['swap_wait_s'] == 1.0  # its bind; its copy out: none
   assert isinstance(trainers['a'].state.location, OnHost)
   assert trainers['c'].state.location == OnMesh(sim['pool0'], {})
 
@@ -185,7 +200,7 @@ def test_overlapped_swaps_return_at_once_and_hold_back_only_the_mesh():
   clock = SimClock()
   trainers, meshes, sim = _pool(clock, 2, overlapped_swaps=True)
   engine = TrainingEngine(trainers, meshes, clock=clock,
-                          make_mesh=lambda mesh, layout: sim[mesh.name])
+                          make_mesh=lambda mesh, layout: sim[mesh.name], make_executor=inline)
   ends = {}
   for n in AGENTS:
     engine.submit(n, lambda n=n: ends.setdefault(n, trainers[n]._run('work', 2.0)))
@@ -199,21 +214,25 @@ def test_overlapped_swaps_return_at_once_and_hold_back_only_the_mesh():
 def test_pool_sends_least_recently_used_states_to_storage():
   # One mesh, a, b, c, a in turn, each piece of work 1 s; host memory holds one state,
   # the host link moves 1 GB/s, storage 0.5 GB/s. Every state starts on the host.
-  # a: in [0, 1], works [1, 2].
-  # b: a out [2, 3]; a, b (kept: it waits) and c on the host exceed the budget: c, then
-  #    a go to storage [3, 5], [5, 7]; b in [7, 8], works [8, 9].
-  # c: b out [9, 10]; c in from storage [10, 12], works [12, 13].
-  # a: c out [13, 14]; b (older than c) to storage [14, 16]; a in from storage [16, 18],
-  #    works [18, 19].
+  # Copies out and to storage do not block the caller; a state's next copy waits for
+  # its last one; binds block.
+  # a: in [0, 1] (the caller waits: 1), works [1, 2].
+  # b: a out after a's work [2, 3]; a (on its way), b (kept: it waits) and c on the host
+  #    exceed the budget: c, then a go to storage [1, 3], [3, 5] (a's after its copy
+  #    out); b in after a's copy out on the mesh's link [3, 4] (caller at 4), works [4, 5].
+  # c: b out [5, 6]; c in from storage [6, 8] (caller at 8), works [8, 9].
+  # a: c out [9, 10]; b (older than c) to storage [8, 10]; a in from storage after c's
+  #    copy out [10, 12] (caller at 12), works [12, 13].
   clock = SimClock()
   trainers, meshes, sim = _pool(clock, 1, storage_bytes_per_s=0.5e9)
   engine = TrainingEngine(trainers, meshes, host_budget=int(1.5e9), storage_dir='swap',
-                          clock=clock, make_mesh=lambda mesh, layout: sim[mesh.name])
+                          clock=clock, make_mesh=lambda mesh, layout: sim[mesh.name], make_executor=inline)
   ends = []
   for name in 'abca':
     engine.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
     engine.run()
-  assert ends == [2.0, 9.0, 13.0, 19.0]
+  assert ends == [2.0, 5.0, 9.0, 13.0]
+  assert clock.now() == 12.0
   where = {n: type(t.state.location) for n, t in trainers.items()}
   assert where == dict(a=OnMesh, b=InStorage, c=OnHost)
   assert trainers['b'].state.location == InStorage('swap/b')

@@ -6,6 +6,8 @@ its own — also under the `flexmarl` pipeline, and across a resume. Bad pool co
 before anything compiles."""
 
 import os
+import threading
+import types
 
 import jax
 import numpy as np
@@ -13,11 +15,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import hierarchical_assistant
+from flexmarl.clock import RealClock
 from flexmarl.config import ConfigError, build_team_spec, training_config
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.models import sharding
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import sizing
+from flexmarl.train.engine import PoolMesh, TrainingEngine
+from flexmarl.train.state import OnHost, Transfer
 from flexmarl.workflows import build_workflow
 
 STEPS = 3
@@ -171,3 +177,59 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   trained = _params(str(tmp_path / 'run'), 'solver', step=1)
   moved = max(np.abs(x - y).max() for x, y in zip(trained, jax.tree.leaves(expected), strict=True))
   assert 0 < moved < 0.05, moved  # one small step from the checkpoint
+
+
+class _GatedTrainer:
+  """A PoolTrainer whose copy out (release) blocks until `gate` is set, as a real release
+  blocks until the agent's dispatched work is done; records what happened in `events`."""
+
+  def __init__(self, name, gate, events):
+    self.name, self.gate, self.events = name, gate, events
+    self.layout = sharding.MeshLayout((1,), ('data',))
+    self._location = OnHost()
+
+  @property
+  def state(self):
+    return types.SimpleNamespace(nbytes=8, location=self._location)
+
+  def bind(self, mesh):
+    self.events.append(('bind', self.name))
+    self._location = 'mesh'
+    return Transfer('host', 'mesh', 8, 0.0)
+
+  def release(self, to=OnHost()):
+    assert self.gate.wait(timeout=60), 'the release was never let through'
+    self.events.append(('released', self.name))
+    self._location = to
+    return Transfer('mesh', 'host', 8, 0.0)
+
+  def prefetch(self, mesh, executor):
+    pass
+
+
+def test_release_runs_off_the_caller_and_the_agent_waits_for_it():
+  """One mesh, agents a then b: b's bind does not wait for a's release (run returns
+  while it is blocked), a's next bind does, and so do `wait` and `close`."""
+  gate, events = threading.Event(), []
+  trainers = {n: _GatedTrainer(n, gate, events) for n in 'ab'}
+  engine = TrainingEngine(trainers, [PoolMesh('pool0', (0,), (1,))], clock=RealClock(),
+                          make_mesh=lambda mesh, layout: mesh.name)
+  try:
+    for name in 'ab':
+      engine.submit(name, lambda name=name: events.append(('work', name)))
+      engine.run()
+    assert events == [('bind', 'a'), ('work', 'a'), ('bind', 'b'), ('work', 'b')]
+    assert isinstance(trainers['a'].state.location, str)  # a's copy out is still blocked
+    waiter = threading.Thread(target=lambda: (engine.submit('a', lambda: None), engine.run()))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and ('bind', 'a') not in events[2:]  # a waits for its copy
+    gate.set()
+    waiter.join(timeout=60)
+    # b's copy out (its own thread's work) and a's bind may come in either order.
+    assert events[4] == ('released', 'a')
+    assert sorted(events[5:]) == [('bind', 'a'), ('released', 'b')]
+  finally:
+    gate.set()
+    engine.close()
+  assert sum(engine.step_stats(n)['swaps'] for n in 'ab') == 5  # 3 binds, 2 releases

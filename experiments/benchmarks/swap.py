@@ -5,8 +5,8 @@
 
 A synthetic state of S bytes (float32 arrays of at most 64 MiB, sharded over a ('fsdp',)
 mesh of 2 devices) is moved with `flexmarl.train.state.move` along each path:
-mesh → mesh (to 2 other devices), mesh → host, host → mesh, host → storage (Orbax),
-storage → host, storage → mesh. The baseline of each path is the plainest copy of the same
+mesh → mesh (to 2 other devices), mesh → host, host → mesh, host → storage (one raw file
+per array), storage → host, storage → mesh. The baseline of each path is the plainest copy of the same
 bytes: one `jax.device_put` of the arrays to the same target shardings (pinned host memory
 for host), and for storage a raw `ndarray.tofile` / `np.fromfile` of each array. Reports
 the best of `repeats` for each, as MB/s and as the ratio move / baseline (1.0: no overhead;

@@ -54,7 +54,7 @@ from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.sim.placement import pool_meshes, sim_placement, train_tracks
-from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.engine import TrainingEngine, inline
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')
@@ -191,7 +191,7 @@ def build_pool_engine(placement: placement_lib.Placement, setup: ml_collections.
   return TrainingEngine(trainers, pool_meshes(placement),
                         int(setup.get('host_budget_bytes', 0)), storage_dir='storage',
                         recorder=recorder, clock=clock,
-                        make_mesh=lambda mesh, layout: meshes[mesh.name])
+                        make_mesh=lambda mesh, layout: meshes[mesh.name], make_executor=inline)
 
 
 def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimClock,

@@ -13,17 +13,18 @@ training pool by the real `train.engine.TrainingEngine`, as a `PoolTrainer`: `bi
 per link, at the link's bandwidth: a mesh's link to host memory (the host bandwidth of
 a device times the mesh's devices) for copies between the mesh and host memory, at the
 storage bandwidth for reads from storage, and the storage link for writes of host
-states to storage. Like the real copies, `bind` and `release` return (advance the
-clock) once the state is there, and a release starts only after the work dispatched on
-the mesh is done (the state is its result); `prefetch` only reserves the link, so the
-copy overlaps the resident agent's compute. Memory for two states on a mesh at once is
-assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
+states to storage. As the engine's copies do, a release starts only after the work
+dispatched on the mesh is done (the state is its result) and returns at once (the engine
+runs it on a copy thread, so it occupies the link, not the caller): the state's next copy
+waits for it, but the agent that takes the mesh does not. `bind` returns (advances the
+clock) once the state is there, as the real one blocks; `prefetch` only reserves the
+link, so the copy overlaps the resident agent's compute. Memory for two states on a mesh
+at once is assumed (a 14B state is 207 GB, a 16-device mesh of 64 GB devices holds 1 TB).
 
 With `overlapped_swaps` (the paper's engine: "swap cost is hidden behind rollout time"),
-`bind` and `release` return at once: the copy is reserved on the link and only the work
-on the mesh, and the state's next copy, wait for it. Then a swap holds up the training
-but never the rollout, which a blocking swap stalls (the orchestrator that waits for it
-also drives the rollout).
+`bind` returns at once too: the copy is reserved on the link and only the work on the
+mesh, and the state's next copy, wait for it. Then a swap holds up the training but
+never the rollout.
 
 A colocated trainer (rollout and training on the same devices, as hybrid engines do)
 loads its train state onto the devices before the first micro-batch of an update
@@ -109,7 +110,7 @@ class SimTrainer:
     self.padded, self.load_s, self.offload_s, self.compile = padded, load_s, offload_s, compile
     self.layout, self.state_bytes, self.storage = layout, state_bytes, storage
     self.overlapped_swaps = overlapped_swaps
-    self._ready = 0.0  # with overlapped swaps: when the state copied onto its mesh is there
+    self._ready = 0.0  # when the state's last copy (not waited for) ends
     self.mesh: SimMesh | None = None  # the pool mesh it is bound to
     self._location: Location = OnHost() if group is None else OnMesh(group, {})
     self._incoming: tuple[SimMesh, Location, float, float] | None = None  # a prefetch
@@ -155,13 +156,13 @@ class SimTrainer:
     if self.clock.now() < end:
       self.clock.advance_to(end)
 
-  def _settle(self, end: float) -> None:
-    """A copy that ends at `end`: wait for it, or, with overlapped swaps, only keep
-    what comes next (work on the mesh, a further copy) from starting before it."""
-    if self.overlapped_swaps:
-      self._ready = end
-    else:
+  def _settle(self, end: float, wait: bool) -> None:
+    """A copy that ends at `end`: wait for it (`wait`), or only keep what comes next
+    (work on the mesh, a further copy) from starting before it."""
+    if wait:
       self._wait(end)
+    else:
+      self._ready = end
 
   def prefetch(self, mesh: SimMesh, executor: concurrent.futures.Executor | None = None
                ) -> None:
@@ -184,15 +185,15 @@ class SimTrainer:
       end, seconds = incoming[2:]
     else:
       end, seconds = self._copy_in(mesh)
-    self._settle(end)
+    self._settle(end, wait=not self.overlapped_swaps)
     source = kind(self._location)
     self.mesh, self.group, self._location = mesh, mesh.compute, OnMesh(mesh, {})
     return Transfer(source, 'mesh', self.state_bytes, seconds)
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
-    """Copy the state off its mesh (once the work dispatched there is done) or from
-    host memory to storage, and wait until it is there (with `overlapped_swaps`, a copy
-    off the mesh returns at once)."""
+    """Reserve the copy of the state off its mesh (once the work dispatched there is
+    done) or from host memory to storage, after the state's previous copy; returns at
+    once (the state is at `to` from the copy's end on)."""
     source = self._location
     if source == to:
       return Transfer(kind(source), kind(to), 0, 0.0)
@@ -200,12 +201,12 @@ class SimTrainer:
       rate = (self.mesh.host.bytes_per_s if isinstance(to, OnHost)
               else self._storage().bytes_per_s)
       end, seconds = self._copy(self.mesh.host, spans.SWAP_OUT, rate, to,
-                                earliest=self.mesh.compute.busy_until)
+                                earliest=max(self.mesh.compute.busy_until, self._ready))
     else:
       storage = self._storage()
       end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to,
                                 earliest=self._ready)
-    self._settle(end)
+    self._settle(end, wait=False)
     self.mesh = self.group = None
     self._location = to
     return Transfer(kind(source), kind(to), self.state_bytes, seconds)

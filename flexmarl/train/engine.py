@@ -10,14 +10,27 @@ then released to host memory, and from there to storage, least recently used fir
 when `host_budget` bytes would be exceeded (`train.allocator.evict_lru`). While one
 agent computes, the next waiting one's state is prefetched onto the mesh it will get.
 
+Copies off the caller's thread: a release (mesh -> host) runs on the mesh's copy
+executor and a write to storage on the storage one, so `run` returns without waiting
+for them (a release waits for the agent's dispatched work, which it copies; the caller
+drives the rollout meanwhile). A prefetch runs on the executor of the mesh it goes to,
+behind that mesh's earlier copies. An agent's state is never used while a copy of it is
+in flight: its next bind, prefetch or write to storage waits for that copy first
+(`wait`), and so do checkpoints (`wait`) and `close`. The agent that takes a mesh does
+not wait for the release of the one that leaves it: the two states share the mesh for
+the time of the copy, as they do during a prefetch.
+
 The engine moves nothing itself: it calls the `PoolTrainer` it binds (`bind`,
 `release`, `prefetch`) on meshes that `make_mesh` builds from the pool's devices, and
 reads time only through its `Clock`. So one engine serves a real run (`AgentTrainer`s,
 jax meshes, the wall clock) and the cluster simulator (simulated trainers, device
 groups, simulated time).
 
-Bindings, swaps and their costs are recorded per agent (`step_stats`) and as spans on
-`recorder` (a `metrics.spans.SpanRecorder`; None records none).
+Bindings, swaps and their costs are recorded per agent (`step_stats`: `swap_s` the copies
+took, `swap_wait_s` the caller was blocked by them) and as spans on `recorder` (a
+`metrics.spans.SpanRecorder`; None records none): a release spans its copy, a bind the
+time the caller waited; each carries `copy_s` and `wait_s`, so the share of swap time
+hidden is 1 - sum(wait_s) / sum(copy_s).
 """
 
 from __future__ import annotations
@@ -60,7 +73,8 @@ class StateInfo(Protocol):
 class PoolTrainer(Protocol):
   """What the engine moves: one agent's trainer (`train.trainer.AgentTrainer`,
   `sim.trainer.SimTrainer`). `bind` and `release` return once the state is there (as
-  the real copies block); `prefetch` only starts the copy."""
+  the real copies block; the engine calls `release` on a copy executor); `prefetch`
+  only starts the copy on the executor it is given."""
 
   @property
   def layout(self) -> sharding.MeshLayout:
@@ -86,6 +100,32 @@ RECENT_SWAPS = 4096
 # Builds the mesh object a trainer binds to, from a pool mesh and the trainer's layout.
 MakeMesh = Callable[[PoolMesh, sharding.MeshLayout], Any]
 
+# Builds the executor that carries one link's copies (a mesh's, or 'storage').
+MakeExecutor = Callable[[str], concurrent.futures.Executor]
+
+
+def copy_thread(link: str) -> concurrent.futures.Executor:
+  """One thread per link: its copies run one at a time, in the order they were asked."""
+  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'swap-{link}')
+
+
+class InlineExecutor(concurrent.futures.Executor):
+  """Runs each call at once on the caller's thread: for simulated trainers, whose copies
+  only reserve simulated time (so they need no thread, and the run stays deterministic)."""
+
+  def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    try:
+      future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # pylint: disable=broad-except  # the future carries it
+      future.set_exception(e)
+    return future
+
+
+def inline(link: str) -> concurrent.futures.Executor:
+  del link
+  return InlineExecutor()
+
 
 def jax_mesh(mesh: PoolMesh, layout: sharding.MeshLayout):
   """A jax Mesh over the pool mesh's devices with `layout`'s axis names (agents of one
@@ -97,10 +137,12 @@ class TrainingEngine:
 
   def __init__(self, trainers: Mapping[str, PoolTrainer], meshes: Sequence[PoolMesh],
                host_budget: int = 0, storage_dir: str = '', recorder=None, *,
-               clock: Clock, make_mesh: MakeMesh = jax_mesh):
+               clock: Clock, make_mesh: MakeMesh = jax_mesh,
+               make_executor: MakeExecutor = copy_thread):
     """`meshes`: PoolMesh (or plain (name, devices, shape)) tuples. `host_budget`:
     bytes of host memory for released states (0: unlimited); beyond it states go to
-    `storage_dir/AGENT`. `clock`: the run's, which times the swaps."""
+    `storage_dir/AGENT`. `clock`: the run's, which times the swaps. `make_executor`:
+    the copy executor of each mesh and of storage (`inline` for simulated trainers)."""
     self.trainers = dict(trainers)
     self.meshes = {m.name: m for m in (PoolMesh(name, tuple(devices), tuple(shape))
                                        for name, devices, shape in meshes)}
@@ -120,7 +162,11 @@ class TrainingEngine:
     self._tick = 0
     self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}
     self._lock = threading.RLock()
-    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='prefetch')
+    self._stats_lock = threading.Lock()  # stats and log: copy threads record swaps too
+    self._copies = {m: make_executor(m) for m in self.meshes}
+    self._storage_copies = make_executor('storage')
+    # agent -> its copy in flight (a release or a write to storage) and where it goes.
+    self._moving: dict[str, tuple[concurrent.futures.Future, Location]] = {}
 
   @staticmethod
   def _empty() -> dict:
@@ -156,6 +202,7 @@ class TrainingEngine:
     A micro-batch is not worth a swap: the agent's optimizer step (run as urgent)
     binds it anyway, and every swap in between would be paid twice."""
     with self._lock:
+      self._reap()
       while True:
         for agent, mesh in self.where.items():
           if mesh is not None and self.queues[agent]:
@@ -190,9 +237,10 @@ class TrainingEngine:
     while queue:
       queue.popleft()()
     self.last_used[agent] = self._next_tick()
-    meshes = self._stats[agent]['meshes']
-    if not meshes or meshes[-1] != self.where[agent]:
-      meshes.append(self.where[agent])
+    with self._stats_lock:
+      meshes = self._stats[agent]['meshes']
+      if not meshes or meshes[-1] != self.where[agent]:
+        meshes.append(self.where[agent])
 
   # -- moves ----------------------------------------------------------------------------
 
@@ -201,37 +249,78 @@ class TrainingEngine:
     resident = self.bound[mesh]
     if resident == agent:
       return
+    self._settle(agent)
     if resident is not None:
       self._release(resident)
     trainer = self.trainers[agent]
     start = self.clock.now()
     transfer = trainer.bind(self.mesh(mesh, trainer.layout))
-    self._record(agent, mesh, spans.SWAP_IN, transfer, self.clock.now() - start)
+    end = self.clock.now()
+    self._record(agent, mesh, spans.SWAP_IN, transfer, start, end, wait_s=end - start)
     self.bound[mesh], self.where[agent] = agent, mesh
 
   def _release(self, agent: str) -> None:
-    mesh, trainer = self.where[agent], self.trainers[agent]
-    start = self.clock.now()
-    transfer = trainer.release(OnHost())
-    self._record(agent, mesh, spans.SWAP_OUT, transfer, self.clock.now() - start)
+    """Free the agent's mesh at once; its state moves to host memory on the mesh's copy
+    executor (and, past the host budget, the least recently used states to storage)."""
+    mesh = self.where[agent]
     self.bound[mesh], self.where[agent] = None, None
+    self._start_move(agent, mesh, self._copies[mesh], OnHost())
     if not self.host_budget:
       return
     on_host = {a: t.state.nbytes for a, t in self.trainers.items()
-               if isinstance(t.state.location, OnHost)}
+               if isinstance(self._destination(a), OnHost)}
     keep = {a for a, q in self.queues.items() if q}
     for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
+      self._start_move(evicted, 'host', self._storage_copies,
+                       InStorage(os.path.join(self.storage_dir, evicted)))
+
+  def _destination(self, agent: str) -> Location:
+    """Where the agent's state is, or goes if a copy of it is in flight."""
+    moving = self._moving.get(agent)
+    return moving[1] if moving else self.trainers[agent].state.location
+
+  def _start_move(self, agent: str, track: str, executor: concurrent.futures.Executor,
+                  to: OnHost | InStorage) -> None:
+    """Release the agent's state to `to` on `executor`, after its copy in flight."""
+    before = self._moving.get(agent)
+    trainer = self.trainers[agent]
+
+    def move() -> None:
+      if before is not None:
+        before[0].result()
       start = self.clock.now()
-      transfer = self.trainers[evicted].release(
-          InStorage(os.path.join(self.storage_dir, evicted)))
-      self._record(evicted, 'host', spans.SWAP_OUT, transfer, self.clock.now() - start)
+      transfer = trainer.release(to)
+      self._record(agent, track, spans.SWAP_OUT, transfer, start, self.clock.now(), 0.0)
+    self._moving[agent] = (executor.submit(move), to)
+
+  def _settle(self, agent: str) -> None:
+    """Wait for the agent's copy in flight, if any (raising its error); the wait counts
+    as the agent's swap wait."""
+    moving = self._moving.pop(agent, None)
+    if moving is None:
+      return
+    start = self.clock.now()
+    moving[0].result()
+    if waited := self.clock.now() - start:
+      with self._stats_lock:
+        self._stats[agent]['swap_wait_s'] += waited
+
+  def _reap(self) -> None:
+    """Settle the copies that are done (so their errors surface at once)."""
+    for agent in [a for a, (future, _) in self._moving.items() if future.done()]:
+      self._settle(agent)
 
   def _prefetch(self, unserved: Sequence[Waiting], targets: Mapping[str, str]) -> None:
     """Start moving waiting agents onto meshes (one each) that others work on now: the
     copy overlaps with that work. `targets`: candidate meshes (by agent, for agents
-    with a mesh in view; any agent of the mesh's shape may take one)."""
+    with a mesh in view; any agent of the mesh's shape may take one). An agent whose
+    state is still on its way out is left for a later `run`."""
     meshes = list(targets.values())
     for w in unserved:
+      if w.agent in self._moving:
+        if not self._moving[w.agent][0].done():
+          continue
+        self._settle(w.agent)
       mesh = targets.get(w.agent)
       if mesh is None or mesh not in meshes:
         mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
@@ -239,36 +328,49 @@ class TrainingEngine:
         continue
       meshes.remove(mesh)
       trainer = self.trainers[w.agent]
-      trainer.prefetch(self.mesh(mesh, trainer.layout), self._executor)
+      trainer.prefetch(self.mesh(mesh, trainer.layout), self._copies[mesh])
       self._prefetched[w.agent] = mesh
 
-  def _record(self, agent: str, mesh: str, name: str, transfer: Transfer, wait_s: float
-              ) -> None:
-    """Account one swap: `transfer.seconds` the copy took (on a prefetch thread, maybe),
-    `wait_s` the caller was blocked by it."""
+  def _record(self, agent: str, track: str, name: str, transfer: Transfer, start: float,
+              end: float, wait_s: float) -> None:
+    """Account one swap: `transfer.seconds` the copy took, `wait_s` the caller was
+    blocked by it; the span is [start, end] on the mesh's (or host's) track."""
     if not transfer.bytes:
       return
-    stats = self._stats[agent]
-    stats['swaps'] += 1
-    stats['swap_bytes'] += transfer.bytes
-    stats['swap_s'] += transfer.seconds
-    stats['swap_wait_s'] += wait_s
-    self.log.append(dict(agent=agent, mesh=mesh, name=name, source=transfer.source,
-                         target=transfer.target, bytes=transfer.bytes, seconds=transfer.seconds,
-                         wait_s=wait_s))
+    with self._stats_lock:
+      stats = self._stats[agent]
+      stats['swaps'] += 1
+      stats['swap_bytes'] += transfer.bytes
+      stats['swap_s'] += transfer.seconds
+      stats['swap_wait_s'] += wait_s
+      self.log.append(dict(agent=agent, mesh=track, name=name, source=transfer.source,
+                           target=transfer.target, bytes=transfer.bytes,
+                           seconds=transfer.seconds, wait_s=wait_s))
     if self.recorder is not None:
-      end = self.clock.now()
-      self.recorder.add(f'train:{mesh}', name, end - wait_s, end, agent=agent,
-                        bytes=transfer.bytes, source=transfer.source, target=transfer.target)
+      self.recorder.add(f'train:{track}', name, start, end, agent=agent, bytes=transfer.bytes,
+                        source=transfer.source, target=transfer.target,
+                        copy_s=transfer.seconds, wait_s=wait_s)
 
   # -- reporting ------------------------------------------------------------------------
 
   def step_stats(self, agent: str) -> dict:
     """Where the agent ran since the last call (mesh names in order, comma-separated)
     and what its swaps cost; resets the counts."""
-    with self._lock:
+    with self._stats_lock:
       stats, self._stats[agent] = self._stats[agent], self._empty()
     return dict(stats, meshes=','.join(stats['meshes']))
 
+  def wait(self, agent: str | None = None) -> None:
+    """Wait until no copy of the agent's state (None: any agent's) is in flight: before
+    its state is read or replaced outside the engine (a checkpoint, a restore)."""
+    with self._lock:
+      for a in list(self._moving) if agent is None else [agent]:
+        self._settle(a)
+
   def close(self) -> None:
-    self._executor.shutdown(wait=True)
+    """Wait for the copies in flight (raising the first error), then stop the threads."""
+    try:
+      self.wait()
+    finally:
+      for executor in [*self._copies.values(), self._storage_copies]:
+        executor.shutdown(wait=True)

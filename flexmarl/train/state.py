@@ -3,8 +3,8 @@
 `AgentState` holds params, optimizer state, RNG (and, when present, the frozen
 KL reference and a half-accumulated gradient). Its `location` says where the arrays
 are: `OnMesh` (device memory, sharded), `OnHost` (pinned host memory where the
-platform has that memory kind, else numpy) or `InStorage` (an Orbax checkpoint; the
-state then carries only the arrays' shapes). `move(state, location)` goes from any
+platform has that memory kind, else numpy) or `InStorage` (a folder of raw array files;
+the state then carries only the arrays' shapes). `move(state, location)` goes from any
 location to any other, resharding on the way, and reports bytes and seconds.
 
 Moving does not delete the source arrays: a rollout sampler may still serve them; they
@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 FIELDS = ('params', 'opt_state', 'ref_params', 'grads', 'rng')
@@ -42,7 +41,7 @@ class OnHost:
 
 @dataclasses.dataclass(frozen=True)
 class InStorage:
-  path: str  # an Orbax checkpoint directory (written on move, read on move out)
+  path: str  # a folder of raw array files (written on move, read on move out)
 
 
 Location = OnMesh | OnHost | InStorage
@@ -109,21 +108,37 @@ def _abstract(arrays: dict) -> dict:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
 
 
+def _files(path: str, arrays: dict) -> list[str]:
+  """The file of each array (in tree order) of a state stored at `path`."""
+  return [os.path.join(path, 'arrays', f'{i}.bin') for i in range(len(jax.tree.leaves(arrays)))]
+
+
 def _save(path: str, arrays: dict) -> None:
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(path, 'arrays'), arrays, force=True)
-  checkpointer.wait_until_finished()
+  """Each array's raw bytes in a file of its own: a swap file is read back only by the
+  same agent config (which gives shapes and dtypes), so it needs no format or metadata
+  and writes at the speed of a plain file write. (Checkpoints are Orbax's.)"""
+  os.makedirs(os.path.join(path, 'arrays'), exist_ok=True)
+  for file, x in zip(_files(path, arrays), jax.tree.leaves(arrays), strict=True):
+    np.ascontiguousarray(np.asarray(x)).tofile(file)
 
 
-def _restore(path: str, like: dict, to: Location, shardings: dict | None) -> dict:
-  """Read a saved state onto the mesh shardings (resharding) or into numpy arrays."""
-  if shardings is None:
-    target = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), like)
-  else:
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          like, shardings)
-  arrays = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), 'arrays'), target)
-  return _to_host(arrays) if isinstance(to, OnHost) else arrays
+def _read(file: str, like: Any) -> np.ndarray:
+  nbytes = int(np.prod(like.shape)) * np.dtype(like.dtype).itemsize
+  size = os.path.getsize(file) if os.path.exists(file) else None
+  if size != nbytes:
+    raise ValueError(f'stored state file {file}: {size} bytes, expected {nbytes} for an '
+                     f'array {like.dtype}{list(like.shape)}; the folder holds another '
+                     'agent config\'s state (or none): give the path its own state moved there.')
+  return np.fromfile(file, like.dtype).reshape(like.shape)
+
+
+def _restore(path: str, like: dict, shardings: dict | None) -> dict:
+  """Read a saved state into host memory (numpy), then onto the mesh shardings if given
+  (resharding)."""
+  leaves, treedef = jax.tree.flatten(like)
+  arrays = jax.tree.unflatten(treedef, [_read(f, x) for f, x in
+                                        zip(_files(path, like), leaves, strict=True)])
+  return arrays if shardings is None else jax.device_put(arrays, shardings)
 
 
 def move(state: AgentState, to: Location, *, wait: bool = True
@@ -141,7 +156,7 @@ def move(state: AgentState, to: Location, *, wait: bool = True
     shutil.copytree(src.path, to.path, dirs_exist_ok=True)
     arrays = state.arrays()
   else:
-    arrays = _restore(src.path, state.arrays(), to,
+    arrays = _restore(src.path, state.arrays(),
                       _shardings(state, to) if isinstance(to, OnMesh) else None)
   return _done(state, to, arrays, start, wait)
 
