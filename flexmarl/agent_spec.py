@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from flexmarl.errors import ConfigError
-from flexmarl.models import hf, sharding
+from flexmarl.models import hf, peft, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
@@ -185,7 +185,7 @@ def _check_base(field: str, model: ModelConfig, checkpoint: str, base_seed: Any,
     fail(f'{field}.adapter', adapter, f'set {field}.lora (rank > 0) to the adapter\'s '
          'rank, alpha and targets: only a LoRA agent starts from an adapter.')
   try:
-    found = hf.peft_lora_config(adapter)
+    found = peft.peft_lora_config(adapter)
   except (FileNotFoundError, KeyError, ValueError) as e:
     raise ConfigError(f'config.{field}.adapter={adapter!r}: {e}') from None
   if (found.rank, found.alpha, set(found.targets)) != (

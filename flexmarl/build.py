@@ -25,7 +25,7 @@ from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.journal import Journal
 from flexmarl.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
-from flexmarl.models import hf, sharding
+from flexmarl.models import hf, peft, sharding
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
@@ -108,7 +108,7 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
     base = bases.shared({} if team_bases is None else team_bases, a.model, a.checkpoint,
                         bases.base_seed(seed, a.base_seed))
     return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
-                        init_params=hf.load_peft(a.adapter, a.model) if a.adapter else None,
+                        init_params=peft.load_peft(a.adapter, a.model) if a.adapter else None,
                         banned_ids=banned_ids, base=base)
   init = None
   if a.checkpoint and isinstance(where, Mesh):  # read tensor by tensor straight onto the mesh

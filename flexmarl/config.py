@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 
 from flexmarl import placement as placement_lib
+from flexmarl import placement_fit
 from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.cluster.spec import ClusterSpec, cluster_config
 from flexmarl.data.records import parse_sample_id
@@ -29,7 +30,7 @@ from flexmarl.validate import check_finite, fail, whole_number
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 # config.placement: 'fit' fits the team to the devices there are when they are too few
-# for the layout asked for (see placement.fit); 'strict' refuses instead.
+# for the layout asked for (see placement_fit.fit); 'strict' refuses instead.
 PLACEMENT_POLICIES = ('fit', 'strict')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
@@ -182,7 +183,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   if policy not in PLACEMENT_POLICIES:
     fail('placement', policy, "choose 'fit' (fit the team to the devices there are) or "
          "'strict' (refuse a config that needs more devices than there are).")
-  placement = placement_lib.fit(
+  placement = placement_fit.fit(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices) for n, a in agents.items()},
       rollout.devices, device_ids, training.pool_devices, list(training.mesh_shapes),

@@ -24,7 +24,7 @@ from absl import app, flags
 from flax import nnx
 
 from flexmarl.config import agent_spec
-from flexmarl.models import hf, lora
+from flexmarl.models import hf, lora, peft
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import bases
@@ -63,7 +63,7 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
   checkpointer.close()
   params = state['params']
   if spec.model.lora.rank:  # the checkpoint holds adapters: the base is rebuilt as the run did
-    hf.save_peft(spec.model, params, os.path.join(out_dir, 'adapter'),
+    peft.save_peft(spec.model, params, os.path.join(out_dir, 'adapter'),
                  base_model=spec.checkpoint)
     seed = bases.base_seed(bases.agent_seed(config.seed, list(config.agents).index(agent)),
                            spec.base_seed)

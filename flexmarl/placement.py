@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flexmarl.errors import ConfigError
@@ -115,14 +115,14 @@ class Placement:
     return '\n'.join(lines)
 
 
-def _size(shape: Sequence[int]) -> int:
+def size(shape: Sequence[int]) -> int:
   return math.prod(shape)
 
 
 def devices_needed(demands: Mapping[str, AgentDemand], mode: str) -> int:
   """Devices a derived layout without a pool takes: every agent's mesh, and with
   `separate` a mesh's worth per rollout instance."""
-  return sum(_size(a.mesh_shape) * (1 + (mode == 'separate') * a.instances)
+  return sum(size(a.mesh_shape) * (1 + (mode == 'separate') * a.instances)
              for a in demands.values())
 
 
@@ -132,7 +132,7 @@ def pool_shapes(agent_shapes: Sequence[tuple[int, ...]], pool_devices: int
   distinct agent shape (in config order), then more, round-robin, while devices remain
   and a shape has more agents than meshes."""
   distinct = list(dict.fromkeys(agent_shapes))
-  need = sum(map(_size, distinct))
+  need = sum(map(size, distinct))
   if need > pool_devices:
     raise ConfigError(
         f'config.training.pool_devices={pool_devices}: one mesh of each agent shape '
@@ -142,9 +142,9 @@ def pool_shapes(agent_shapes: Sequence[tuple[int, ...]], pool_devices: int
   while grew:
     grew = False
     for shape in distinct:
-      if _size(shape) <= left and shapes.count(shape) < agent_shapes.count(shape):
+      if size(shape) <= left and shapes.count(shape) < agent_shapes.count(shape):
         shapes.append(shape)
-        left -= _size(shape)
+        left -= size(shape)
         grew = True
   return sorted(shapes, key=distinct.index)
 
@@ -183,18 +183,18 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
     if unknown:
       raise ConfigError(f'config.{field}={list(devices)}: devices {unknown} do not exist; '
                         f'the ids here are {sorted(known)}.')
-    if len(devices) != _size(shape):
+    if len(devices) != size(shape):
       raise ConfigError(f'config.{field}={list(devices)}: {len(devices)} devices for a mesh '
-                        f'of shape {tuple(shape)}; give {_size(shape)}.')
+                        f'of shape {tuple(shape)}; give {size(shape)}.')
     return tuple(devices)
 
   pool: list[MeshPlacement] = []
   if pool_devices:
     shapes = [tuple(s) for s in mesh_shapes] or pool_shapes(
         [tuple(a.mesh_shape) for a in demands.values()], pool_devices)
-    if sum(map(_size, shapes)) > pool_devices:
+    if sum(map(size, shapes)) > pool_devices:
       raise ConfigError(f'config.training.mesh_shapes={shapes}: they need '
-                        f'{sum(map(_size, shapes))} devices, the pool has {pool_devices}; '
+                        f'{sum(map(size, shapes))} devices, the pool has {pool_devices}; '
                         'list fewer or smaller meshes, or give the pool more devices.')
     for name, a in demands.items():
       if tuple(a.mesh_shape) not in shapes:
@@ -203,8 +203,8 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
     devices = take('training.pool_devices', pool_devices)
     start = 0
     for shape in shapes:
-      pool.append(MeshPlacement(devices[start:start + _size(shape)], shape))
-      start += _size(shape)
+      pool.append(MeshPlacement(devices[start:start + size(shape)], shape))
+      start += size(shape)
   train: dict[str, MeshPlacement] = {}
   for name, a in demands.items():
     if pool:
@@ -212,7 +212,7 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
       continue
     field = f'agents.{name}.train_devices'
     devs = (given(field, a.train_devices, a.mesh_shape) if a.train_devices
-            else take(f'agents.{name}.mesh_shape', _size(a.mesh_shape)))
+            else take(f'agents.{name}.mesh_shape', size(a.mesh_shape)))
     train[name] = MeshPlacement(devs, tuple(a.mesh_shape))
   rollout: dict[str, tuple[MeshPlacement, ...]] = {}
   rank = {n: [m for m in demands if demands[m].mesh_shape == a.mesh_shape].index(n)
@@ -230,7 +230,7 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
       if a.instance_devices:
         devs = given(f'{field}.devices[{i}]', a.instance_devices[i], a.mesh_shape)
       elif mode == 'separate':
-        devs = take(f'{field}.instances', _size(a.mesh_shape))
+        devs = take(f'{field}.instances', size(a.mesh_shape))
       elif pool:
         same = [m for m in pool if m.shape == tuple(a.mesh_shape)]
         devs = same[(rank[name] + i) % len(same)].devices
@@ -241,69 +241,6 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
   placement = Placement(mode, train, rollout, tuple(pool))
   check(placement)
   return placement
-
-
-def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
-        pool_devices: int = 0, mesh_shapes: Sequence[tuple[int, ...]] = (), *,
-        strict: bool = False, state_bytes: Callable[[], Mapping[str, int]] = dict,
-        no_pool: str = '') -> Placement:
-  """`derive`, fitted to the devices there are when the layout asked for needs more.
-
-  A config that places anything explicitly (device ids, a training pool) is never
-  changed, and `strict` never fits: both get `derive`'s refusal. Otherwise, on too few
-  devices: with `separate`, rollout instances move onto their agents' training devices;
-  if the agents' own meshes still do not fit, they share a training pool over every
-  device (one mesh of each shape, more while devices remain). `state_bytes` gives each
-  agent's training state (the cost of a pool's swaps); `no_pool` says why the agents
-  cannot share a pool ('' : they can). Even that not fitting raises `derive`'s error.
-  """
-  asked, n = devices_needed(demands, mode), len(device_ids)
-  explicit = pool_devices or any(a.train_devices or a.instance_devices
-                                 for a in demands.values())
-  if explicit or asked <= n:
-    return derive(demands, mode, device_ids, pool_devices, mesh_shapes)
-  if strict:
-    raise _refusal(demands, mode, device_ids, "(config.placement='strict'; 'fit' fits the "
-                   'team to the devices there are.)')
-  shapes = [tuple(a.mesh_shape) for a in demands.values()]
-  changes: dict[str, Any] = {}
-  costs = []
-  if mode == 'separate':
-    changes['rollout.devices'] = 'shared'
-    costs.append(f'rollout.devices=shared: the {sum(a.instances for a in demands.values())} '
-                 "rollout instances run on training devices, so an agent's sampling and "
-                 'gradient work queue on one device instead of overlapping.')
-  if sum(map(_size, shapes)) > n:
-    pool_need = sum(map(_size, dict.fromkeys(shapes)))
-    if no_pool or pool_need > n:
-      why = no_pool or (f'a training pool needs one mesh of each agent shape, {pool_need} '
-                        'devices')
-      raise _refusal(demands, mode, device_ids, f'Fitting the team to {n} devices failed '
-                     f'too: {why}.')
-    meshes = pool_shapes(shapes, n)
-    changes['training.pool_devices'] = n
-    largest = max(state_bytes().values(), default=0)
-    costs.append(f'training.pool_devices={n}: {len(demands)} agents take turns on '
-                 f'{len(meshes)} training mesh(es) {meshes}; an agent waits while another '
-                 f'trains, and between its turns its state (up to {largest / 2**20:.1f} MiB '
-                 'an agent) moves to host memory and back.')
-  placement = derive(demands, 'shared', device_ids, changes.get('training.pool_devices', 0))
-  used = {d for m in [*placement.train.values(), *placement.pool] for d in m.devices}
-  idle = [d for d in device_ids if d not in used]
-  if idle:
-    costs.append(f'devices {idle} stay idle (no agent has work for them in this layout).')
-  return dataclasses.replace(placement, fitted=Fit(asked, n, changes, tuple(costs)))
-
-
-def _refusal(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
-             note: str) -> ConfigError:
-  """`derive`'s error for a layout that needs more devices than there are, with `note`."""
-  try:
-    derive(demands, mode, device_ids)
-  except ConfigError as e:
-    return ConfigError(f'{e} {note}')
-  raise AssertionError(f'a layout needing {devices_needed(demands, mode)} devices fit in '
-                       f'{len(device_ids)}')
 
 
 def check(p: Placement) -> None:

@@ -18,7 +18,7 @@ from flexmarl.agent_spec import AgentSpec
 from flexmarl.config import ConfigError, agent_config, build_team_spec
 from flexmarl.export import export
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.models import hf, lora, sharding
+from flexmarl.models import hf, lora, peft, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
@@ -397,14 +397,14 @@ def test_peft_import_round_trips_exactly(tmp_path):
   cfg = ModelConfig(vocab_size=20, layers=2, lora=LoRAConfig(rank=4, alpha=8.0,
                                                              targets=('q', 'o', 'down')))
   trained = _with_random_b(_params(cfg)[1])
-  folder = hf.save_peft(cfg, trained, str(tmp_path / 'adapter'))
-  assert hf.peft_lora_config(folder) == cfg.lora
+  folder = peft.save_peft(cfg, trained, str(tmp_path / 'adapter'))
+  assert peft.peft_lora_config(folder) == cfg.lora
   adapters = lora.partition(trained, cfg.lora)[0]
-  assert _equal(hf.load_peft(folder, cfg), jax.device_get(adapters))
+  assert _equal(peft.load_peft(folder, cfg), jax.device_get(adapters))
   # an agent started from the folder trains from those adapters, over its base
   base = bases.SharedBase(bases.load_base(cfg, '', seed=0))
   t = AgentTrainer('a', cfg, OptimizerConfig(), grpo.GRPOConfig(), sharding.layout((1, 1)),
-                   seed=5, init_params=hf.load_peft(folder, cfg), base=base)
+                   seed=5, init_params=peft.load_peft(folder, cfg), base=base)
   assert _equal(jax.device_get(t.params), jax.device_get(trained))
   # the config names the folder; a rank or target set that is not the folder's is refused
   c = two_agent_config(steps=2)

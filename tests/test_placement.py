@@ -3,6 +3,7 @@
 import pytest
 
 from flexmarl import placement as pl
+from flexmarl.placement_fit import fit
 from flexmarl.errors import ConfigError
 from flexmarl.run import train
 from test_team import two_agent_config
@@ -75,7 +76,7 @@ FOUR = {n: pl.AgentDemand((1, 1)) for n in ('router', 'reverser', 'sorter', 'add
     (1, {'rollout.devices': 'shared', 'training.pool_devices': 1}, [(0,)]),
 ])
 def test_fit_takes_the_first_layout_that_fits(devices, changes, pool):
-  p = pl.fit(FOUR, 'separate', IDS[:devices], state_bytes=lambda: {'router': 3 * 2**20})
+  p = fit(FOUR, 'separate', IDS[:devices], state_bytes=lambda: {'router': 3 * 2**20})
   assert (p.fitted.changes if p.fitted else None) == changes
   assert [m.devices for m in p.pool] == pool
   assert p.mode == ('separate' if devices == 8 else 'shared')
@@ -90,22 +91,22 @@ def test_fit_takes_the_first_layout_that_fits(devices, changes, pool):
 
 def test_fit_keeps_explicit_and_strict_placements():
   with pytest.raises(ConfigError, match=r"no 1 free devices.*placement='strict'"):
-    pl.fit(FOUR, 'separate', [0], strict=True)
+    fit(FOUR, 'separate', [0], strict=True)
   explicit = dict(FOUR, adder=pl.AgentDemand((1, 1), train_devices=(0,)))
   with pytest.raises(ConfigError, match=r'no 1 free devices') as err:
-    pl.fit(explicit, 'separate', [0, 1])
+    fit(explicit, 'separate', [0, 1])
   assert 'Fitting' not in str(err.value)
   with pytest.raises(ConfigError, match=r'training\.pool_devices: no 4 free devices'):
-    pl.fit(FOUR, 'shared', [0, 1], pool_devices=4)  # a pool given is never resized
+    fit(FOUR, 'shared', [0, 1], pool_devices=4)  # a pool given is never resized
   with pytest.raises(ConfigError, match=r'failed too: a training pool needs one mesh of each '
                      r'agent shape, 3 devices'):
-    pl.fit(dict(FOUR, router=pl.AgentDemand((2, 1))), 'shared', [0, 1])
+    fit(dict(FOUR, router=pl.AgentDemand((2, 1))), 'shared', [0, 1])
   with pytest.raises(ConfigError, match=r'failed too: checkpoints'):
-    pl.fit(FOUR, 'shared', [0, 1], no_pool='checkpoints')
+    fit(FOUR, 'shared', [0, 1], no_pool='checkpoints')
 
 
 def test_fitted_placement_round_trip(tmp_path):
-  p = pl.fit(FOUR, 'separate', [0, 1])
+  p = fit(FOUR, 'separate', [0, 1])
   pl.save(p, str(tmp_path))
   assert pl.load(str(tmp_path)) == p and pl.load(str(tmp_path)).fitted.changes == {
       'rollout.devices': 'shared', 'training.pool_devices': 2}

@@ -13,8 +13,8 @@ from flexmarl.models import sharding, transformer
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.train import grpo
-from flexmarl.train.trainer import (AgentTrainer, OptimizerConfig, TrainBatch, loss_sum,
-                                    response_logprobs)
+from flexmarl.train.loss import loss_sum, response_logprobs
+from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 VOCAB = 20
 KW = dict(prompt_len=5, response_len=4, pad_id=0)

@@ -10,7 +10,8 @@ from flax import nnx
 from flexmarl.models import transformer
 from flexmarl.models.layout import left_pad
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
-from flexmarl.train.trainer import TrainBatch, response_logprobs
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import response_logprobs
 
 VOCAB, PAD, EOS = 24, 0, 2
 P = 6

@@ -22,7 +22,8 @@ from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams
 from flexmarl.run import train
 from flexmarl.team import check_served_logprobs
 from flexmarl.tokenizer import BOS, build_char_tokenizer, load_tokenizer
-from flexmarl.train.trainer import TrainBatch, response_logprobs
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import response_logprobs
 from flexmarl.workflows import tasks
 from flexmarl.workflows.base import Episode, Query
 

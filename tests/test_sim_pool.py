@@ -24,7 +24,8 @@ from flexmarl.sim.team import sim_factories, sim_team_spec
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import FILLER, RouterWorkflow
 from flexmarl.tokenizer import build_char_tokenizer
-from flexmarl.train.engine import PoolMesh, TrainingEngine, inline
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.pool import PoolMesh, inline
 from flexmarl.train.state import InStorage, OnHost, OnMesh
 from flexmarl.workflows.base import Episode, Query
 

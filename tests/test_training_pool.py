@@ -22,7 +22,8 @@ from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import sharding
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import sizing
-from flexmarl.train.engine import PoolMesh, TrainingEngine
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.pool import PoolMesh
 from flexmarl.train.state import OnHost, Transfer
 from flexmarl.workflows import build_workflow
 

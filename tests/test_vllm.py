@@ -17,7 +17,8 @@ from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
 from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler, row_seed  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
-from flexmarl.train.trainer import TrainBatch, response_logprobs  # noqa: E402
+from flexmarl.train.batch import TrainBatch  # noqa: E402
+from flexmarl.train.loss import response_logprobs  # noqa: E402
 
 TOK = build_char_tokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, heads=2, kv_heads=1, head_dim=32)

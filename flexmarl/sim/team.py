@@ -54,7 +54,8 @@ from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.sim.placement import pool_meshes, sim_placement, train_tracks
-from flexmarl.train.engine import TrainingEngine, inline
+from flexmarl.train.engine import TrainingEngine
+from flexmarl.train.pool import inline
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')

@@ -40,97 +40,19 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from flexmarl.clock import Clock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
+from flexmarl.train.pool import (MakeExecutor, MakeMesh, PoolMesh, PoolTrainer, copy_thread,
+                                 jax_mesh)
 from flexmarl.train.state import InStorage, OnHost, Location, Transfer
-
-
-class PoolMesh(NamedTuple):
-  """One mesh of the training pool: its name, devices (jax devices, or ids in a
-  simulation) and shape."""
-
-  name: str
-  devices: Sequence[Any]
-  shape: tuple[int, ...]
-
-
-class StateInfo(Protocol):
-  """What the engine reads of a trainer's state: its size and where it lives."""
-
-  @property
-  def nbytes(self) -> int:
-    ...
-
-  @property
-  def location(self) -> Location:
-    ...
-
-
-class PoolTrainer(Protocol):
-  """What the engine moves: one agent's trainer (`train.trainer.AgentTrainer`,
-  `sim.trainer.SimTrainer`). `bind` and `release` return once the state is there (as
-  the real copies block; the engine calls `release` on a copy executor); `prefetch`
-  only starts the copy on the executor it is given."""
-
-  @property
-  def layout(self) -> sharding.MeshLayout:
-    ...
-
-  @property
-  def state(self) -> StateInfo:
-    ...
-
-  def bind(self, mesh: Any) -> Transfer:
-    ...
-
-  def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
-    ...
-
-  def prefetch(self, mesh: Any, executor: concurrent.futures.Executor) -> None:
-    ...
 
 
 # How many swaps `TrainingEngine.log` keeps: a long run's memory stays flat.
 RECENT_SWAPS = 4096
-
-# Builds the mesh object a trainer binds to, from a pool mesh and the trainer's layout.
-MakeMesh = Callable[[PoolMesh, sharding.MeshLayout], Any]
-
-# Builds the executor that carries one link's copies (a mesh's, or 'storage').
-MakeExecutor = Callable[[str], concurrent.futures.Executor]
-
-
-def copy_thread(link: str) -> concurrent.futures.Executor:
-  """One thread per link: its copies run one at a time, in the order they were asked."""
-  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'swap-{link}')
-
-
-class InlineExecutor(concurrent.futures.Executor):
-  """Runs each call at once on the caller's thread: for simulated trainers, whose copies
-  only reserve simulated time (so they need no thread, and the run stays deterministic)."""
-
-  def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    try:
-      future.set_result(fn(*args, **kwargs))
-    except BaseException as e:  # pylint: disable=broad-except  # the future carries it
-      future.set_exception(e)
-    return future
-
-
-def inline(link: str) -> concurrent.futures.Executor:
-  del link
-  return InlineExecutor()
-
-
-def jax_mesh(mesh: PoolMesh, layout: sharding.MeshLayout):
-  """A jax Mesh over the pool mesh's devices with `layout`'s axis names (agents of one
-  shape may name their axes differently; the devices are the same)."""
-  return sharding.make_mesh(mesh.devices, mesh.shape, layout.axes)
 
 
 class TrainingEngine:

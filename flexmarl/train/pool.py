@@ -1,15 +1,20 @@
-"""The training pool's meshes, carved from its devices. (What must fit in the pool is
-checked with the config: flexmarl.train.sizing.)"""
+"""The training pool's meshes, carved from its devices, and what the TrainingEngine
+(flexmarl.train.engine) meets them with: the mesh record, the trainer it moves, the
+executors its copies run on. (What must fit in the pool is checked with the config:
+flexmarl.train.sizing.)"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 from jax.sharding import Mesh
 
 from flexmarl.errors import ConfigError
 from flexmarl.models import sharding
+from flexmarl.train.state import InStorage, Location, OnHost, Transfer
 
 
 def carve(devices: Sequence[jax.Device], layouts: Sequence[sharding.MeshLayout]) -> list[Mesh]:
@@ -24,3 +29,84 @@ def carve(devices: Sequence[jax.Device], layouts: Sequence[sharding.MeshLayout])
     out.append(sharding.make_mesh(devices[start:start + lay.size], lay.shape, lay.axes))
     start += lay.size
   return out
+
+
+class PoolMesh(NamedTuple):
+  """One mesh of the training pool: its name, devices (jax devices, or ids in a
+  simulation) and shape."""
+
+  name: str
+  devices: Sequence[Any]
+  shape: tuple[int, ...]
+
+
+class StateInfo(Protocol):
+  """What the engine reads of a trainer's state: its size and where it lives."""
+
+  @property
+  def nbytes(self) -> int:
+    ...
+
+  @property
+  def location(self) -> Location:
+    ...
+
+
+class PoolTrainer(Protocol):
+  """What the engine moves: one agent's trainer (`train.trainer.AgentTrainer`,
+  `sim.trainer.SimTrainer`). `bind` and `release` return once the state is there (as
+  the real copies block; the engine calls `release` on a copy executor); `prefetch`
+  only starts the copy on the executor it is given."""
+
+  @property
+  def layout(self) -> sharding.MeshLayout:
+    ...
+
+  @property
+  def state(self) -> StateInfo:
+    ...
+
+  def bind(self, mesh: Any) -> Transfer:
+    ...
+
+  def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
+    ...
+
+  def prefetch(self, mesh: Any, executor: concurrent.futures.Executor) -> None:
+    ...
+
+
+# Builds the mesh object a trainer binds to, from a pool mesh and the trainer's layout.
+MakeMesh = Callable[[PoolMesh, sharding.MeshLayout], Any]
+
+# Builds the executor that carries one link's copies (a mesh's, or 'storage').
+MakeExecutor = Callable[[str], concurrent.futures.Executor]
+
+
+def copy_thread(link: str) -> concurrent.futures.Executor:
+  """One thread per link: its copies run one at a time, in the order they were asked."""
+  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'swap-{link}')
+
+
+class InlineExecutor(concurrent.futures.Executor):
+  """Runs each call at once on the caller's thread: for simulated trainers, whose copies
+  only reserve simulated time (so they need no thread, and the run stays deterministic)."""
+
+  def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    try:
+      future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # pylint: disable=broad-except  # the future carries it
+      future.set_exception(e)
+    return future
+
+
+def inline(link: str) -> concurrent.futures.Executor:
+  del link
+  return InlineExecutor()
+
+
+def jax_mesh(mesh: PoolMesh, layout: sharding.MeshLayout):
+  """A jax Mesh over the pool mesh's devices with `layout`'s axis names (agents of one
+  shape may name their axes differently; the devices are the same)."""
+  return sharding.make_mesh(mesh.devices, mesh.shape, layout.axes)

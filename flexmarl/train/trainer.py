@@ -20,114 +20,20 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from flexmarl.models import lora, sharding, transformer
-from flexmarl.models.layout import bucket, left_pad
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
 from flexmarl.train.bases import SharedBase
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import loss_sum
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import OptimizerConfig
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
 from flexmarl.train.step import StepCache, Steps, build_steps
-
-
-@dataclasses.dataclass
-class TrainBatch:
-  """Rows of one micro-batch, host-side. Prompts left-padded to P, responses
-  right-padded to T, exactly as the sampler laid them out."""
-
-  prompts: np.ndarray  # [B, P] int32
-  prompt_mask: np.ndarray  # [B, P] bool
-  responses: np.ndarray  # [B, T] int32
-  response_mask: np.ndarray  # [B, T] bool
-  behaviour_logprobs: np.ndarray  # [B, T] float32
-  advantages: np.ndarray  # [B] float32
-  # [B] bool: rows sampled by the very parameters this batch updates. Their behaviour
-  # logprobs are taken from the trainer (ratio exactly 1): the sampler's agree only to
-  # float rounding, which varies with the shape of the batch it served them in.
-  on_policy: np.ndarray
-  # [B] float32: 1.0 / 0.0 where the workflow said whether the row is right, else NaN
-  # (padding rows too). Host-side only: the entropy control reads it, the loss does not.
-  correct: np.ndarray | None = None
-
-  @classmethod
-  def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
-                logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
-                response_len: int, pad_id: int, batch_multiple: int = 1,
-                on_policy: np.ndarray | None = None,
-                correct: np.ndarray | None = None) -> 'TrainBatch':
-    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
-    `on_policy` [rows]: see the field (default: every row's behaviour logprobs are the
-    sampler's `logprobs`).
-
-    Prompt and response widths shrink to the longest row, rounded up to a multiple of
-    4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
-    the few distinct widths compile once each.
-    """
-    n = len(prompts)
-    size = bucket(n, batch_multiple)
-    prompt_len = min(prompt_len, _round_up(max(map(len, prompts)), 4))
-    response_len = min(response_len, _round_up(max(map(len, responses)), 4))
-    ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
-    resp = np.full((size, response_len), pad_id, np.int32)
-    rmask = np.zeros((size, response_len), bool)
-    blp = np.zeros((size, response_len), np.float32)
-    for i, (r, lp) in enumerate(zip(responses, logprobs)):
-      resp[i, :len(r)], rmask[i, :len(r)], blp[i, :len(r)] = r, True, lp
-    adv = np.zeros((size,), np.float32)
-    adv[:n] = advantages
-    same = np.zeros((size,), bool)
-    if on_policy is not None:
-      same[:n] = on_policy
-    right = np.full((size,), np.nan, np.float32)
-    if correct is not None:
-      right[:n] = correct
-    return cls(ids, pmask, resp, rmask, blp, adv, same, right)
-
-  def device_arrays(self) -> dict[str, np.ndarray]:
-    """The arrays the loss reads (everything but `correct`)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'correct'}
-
-  @property
-  def correct_counts(self) -> tuple[int, int]:
-    """(rows known right, rows whose correctness is known)."""
-    if self.correct is None:
-      return 0, 0
-    known = self.correct[~np.isnan(self.correct)]
-    return int(known.sum()), int(known.size)
-
-  @property
-  def tokens(self) -> int:
-    return int(self.response_mask.sum())
-
-  @property
-  def rows(self) -> int:
-    """Real rows (padding rows have no response token)."""
-    return int(self.response_mask.any(axis=1).sum())
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return max(multiple, -(-n // multiple) * multiple)
-
-
-def response_logprobs(graphdef, params, batch: dict, temperature: float,
-                      banned_ids: tuple[int, ...] = ()):
-  """Logprobs and entropies of the response tokens under `params`: [B, T] each, in the
-  distribution the sampler draws from (`banned_ids` impossible)."""
-  model = nnx.merge(graphdef, params)
-  response_len = batch['responses'].shape[1]
-  tokens = jnp.concatenate([batch['prompts'], batch['responses']], 1)
-  valid = jnp.concatenate([batch['prompt_mask'], batch['response_mask']], 1)
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  # The logits that predict the response: from the last prompt position on.
-  logits, _ = model(tokens, positions, valid, last=response_len + 1)
-  resp_logits = transformer.ban_tokens(logits[:, :-1], banned_ids)
-  return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
 
 
 def _fresh_adapters(model_cfg: transformer.ModelConfig, seed: int) -> dict:
@@ -137,29 +43,6 @@ def _fresh_adapters(model_cfg: transformer.ModelConfig, seed: int) -> dict:
       nnx.to_pure_dict(nnx.state(transformer.Decoder(model_cfg, nnx.Rngs(params=seed)))),
       model_cfg.lora)[0])
   return jax.device_get(init())
-
-
-def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig,
-             banned_ids: tuple[int, ...] = ()):
-  """Token-summed GRPO loss of one micro-batch, plus summed diagnostics."""
-  mask = batch['response_mask']
-  logp, entropy = response_logprobs(graphdef, params, batch, cfg.temperature, banned_ids)
-  ref_logp = None
-  if ref_params is not None:
-    ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature, banned_ids)
-    ref_logp = jax.lax.stop_gradient(ref_logp)
-  behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp),
-                        batch['behaviour_logprobs'])
-  per_token = grpo.grpo_token_loss(logp, behaviour, batch['advantages'], entropy, ref_logp,
-                                   cfg, entropy_coef)
-  served = jnp.exp(logp - batch['behaviour_logprobs'])  # against what the sampler saw
-  stats = {
-      'entropy': grpo.masked_sum(entropy, mask),
-      'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(jnp.exp(logp - behaviour), cfg),
-                                 mask),
-      'ratio_dev': grpo.masked_sum(jnp.abs(served - 1.0), mask),
-  }
-  return grpo.masked_sum(per_token, mask), stats
 
 
 class AgentTrainer:

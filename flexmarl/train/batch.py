@@ -1,0 +1,89 @@
+"""A micro-batch as the trainer takes it: rows padded to the shapes the steps compile
+for, exactly as the sampler laid them out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flexmarl.models.layout import bucket, left_pad
+
+
+@dataclasses.dataclass
+class TrainBatch:
+  """Rows of one micro-batch, host-side. Prompts left-padded to P, responses
+  right-padded to T, exactly as the sampler laid them out."""
+
+  prompts: np.ndarray  # [B, P] int32
+  prompt_mask: np.ndarray  # [B, P] bool
+  responses: np.ndarray  # [B, T] int32
+  response_mask: np.ndarray  # [B, T] bool
+  behaviour_logprobs: np.ndarray  # [B, T] float32
+  advantages: np.ndarray  # [B] float32
+  # [B] bool: rows sampled by the very parameters this batch updates. Their behaviour
+  # logprobs are taken from the trainer (ratio exactly 1): the sampler's agree only to
+  # float rounding, which varies with the shape of the batch it served them in.
+  on_policy: np.ndarray
+  # [B] float32: 1.0 / 0.0 where the workflow said whether the row is right, else NaN
+  # (padding rows too). Host-side only: the entropy control reads it, the loss does not.
+  correct: np.ndarray | None = None
+
+  @classmethod
+  def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
+                logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
+                response_len: int, pad_id: int, batch_multiple: int = 1,
+                on_policy: np.ndarray | None = None,
+                correct: np.ndarray | None = None) -> 'TrainBatch':
+    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
+    `on_policy` [rows]: see the field (default: every row's behaviour logprobs are the
+    sampler's `logprobs`).
+
+    Prompt and response widths shrink to the longest row, rounded up to a multiple of
+    4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
+    the few distinct widths compile once each.
+    """
+    n = len(prompts)
+    size = bucket(n, batch_multiple)
+    prompt_len = min(prompt_len, _round_up(max(map(len, prompts)), 4))
+    response_len = min(response_len, _round_up(max(map(len, responses)), 4))
+    ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
+    resp = np.full((size, response_len), pad_id, np.int32)
+    rmask = np.zeros((size, response_len), bool)
+    blp = np.zeros((size, response_len), np.float32)
+    for i, (r, lp) in enumerate(zip(responses, logprobs)):
+      resp[i, :len(r)], rmask[i, :len(r)], blp[i, :len(r)] = r, True, lp
+    adv = np.zeros((size,), np.float32)
+    adv[:n] = advantages
+    same = np.zeros((size,), bool)
+    if on_policy is not None:
+      same[:n] = on_policy
+    right = np.full((size,), np.nan, np.float32)
+    if correct is not None:
+      right[:n] = correct
+    return cls(ids, pmask, resp, rmask, blp, adv, same, right)
+
+  def device_arrays(self) -> dict[str, np.ndarray]:
+    """The arrays the loss reads (everything but `correct`)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'correct'}
+
+  @property
+  def correct_counts(self) -> tuple[int, int]:
+    """(rows known right, rows whose correctness is known)."""
+    if self.correct is None:
+      return 0, 0
+    known = self.correct[~np.isnan(self.correct)]
+    return int(known.sum()), int(known.size)
+
+  @property
+  def tokens(self) -> int:
+    return int(self.response_mask.sum())
+
+  @property
+  def rows(self) -> int:
+    """Real rows (padding rows have no response token)."""
+    return int(self.response_mask.any(axis=1).sum())
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return max(multiple, -(-n // multiple) * multiple)
