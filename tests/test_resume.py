@@ -32,6 +32,24 @@ def _params(workdir, agent, step):
   return ocp.StandardCheckpointer().restore(os.path.abspath(path))['params']
 
 
+def assert_same_run(straight: str, resumed: str, steps: int) -> None:
+  """The two workdirs' metrics lines and final parameters agree: a resumed run is the
+  uninterrupted one."""
+  a, b = _lines(straight), _lines(resumed)
+  assert len(a) == len(b) == steps * 3
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      if isinstance(x[k], float):
+        np.testing.assert_allclose(x[k], y[k], rtol=1e-6, atol=1e-7, err_msg=f'{k} {x}')
+      else:
+        assert x[k] == y[k], (k, x, y)
+  for agent in AGENTS:
+    pa, pb = _params(straight, agent, steps), _params(resumed, agent, steps)
+    for u, v in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+      np.testing.assert_allclose(u, v, atol=1e-6)
+
+
 class _Deferred:
   """A future that runs its work only when its result is asked for."""
 
@@ -158,19 +176,7 @@ def test_resume_matches_uninterrupted(straight, tmp_path):
   train(config, resumed, log=logs.append)
   assert any('resumed from step 3' in str(l) for l in logs)
 
-  a, b = _lines(straight), _lines(resumed)
-  assert len(a) == len(b) == 6 * 3
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      if isinstance(x[k], float):
-        np.testing.assert_allclose(x[k], y[k], rtol=1e-6, atol=1e-7, err_msg=f'{k} {x}')
-      else:
-        assert x[k] == y[k], (k, x, y)
-  for agent in AGENTS:
-    pa, pb = _params(straight, agent, 6), _params(resumed, agent, 6)
-    for u, v in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
-      np.testing.assert_allclose(u, v, atol=1e-6)
+  assert_same_run(straight, resumed, 6)
 
 
 def test_resume_without_the_store_says_it_drops_the_carried_rows(tmp_path):

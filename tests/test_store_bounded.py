@@ -148,7 +148,7 @@ def test_a_table_without_dropped_rows_keeps_the_old_format():
 
 def test_a_run_with_retention_resumes_as_if_uninterrupted_and_drops_old_rows(tmp_path):
   from flexmarl.run import train  # pylint: disable=import-outside-toplevel
-  from test_resume import AGENTS, _lines, _params  # pylint: disable=import-outside-toplevel
+  from test_resume import AGENTS, assert_same_run  # pylint: disable=import-outside-toplevel
   from test_team import two_agent_config  # pylint: disable=import-outside-toplevel
   config = two_agent_config(steps=9)
   config.checkpoint_every, config.store_keep_steps = 3, 3
@@ -159,24 +159,9 @@ def test_a_run_with_retention_resumes_as_if_uninterrupted_and_drops_old_rows(tmp
   train(config, resumed, log=quiet)
   config.steps = 9
   train(config, resumed, log=quiet)
-  a, b = _lines(straight), _lines(resumed)
-  assert len(a) == len(b) == 9 * 3
-  for x, y in zip(a, b):
-    for k in x:
-      if isinstance(x[k], float):
-        np.testing.assert_allclose(x[k], y[k], rtol=1e-6, atol=1e-7, err_msg=f'{k} {x}')
-      else:
-        assert x[k] == y[k], (k, x, y)
-  for agent in AGENTS:
-    for u, v in zip(jax_leaves(_params(straight, agent, 9)), jax_leaves(_params(resumed, agent, 9))):
-      np.testing.assert_allclose(u, v, atol=1e-6)
+  assert_same_run(straight, resumed, 9)
   for workdir in (straight, resumed):
     with ExperienceStore.open(os.path.join(workdir, 'store'), list(AGENTS)) as store:
       for agent in AGENTS:
         kept = store.read(agent)
         assert kept[0].index > 0 and len(kept) < store.end(agent), f'{agent}: none dropped'
-
-
-def jax_leaves(tree):
-  import jax  # pylint: disable=import-outside-toplevel
-  return jax.tree.leaves(tree)
