@@ -189,7 +189,8 @@ def test_the_training_pool_keeps_only_its_recent_swaps(monkeypatch):
   monkeypatch.setattr(engine_lib, 'RECENT_SWAPS', 5)
   engine = engine_lib.TrainingEngine({'a': None}, [], clock=SimClock())
   for i in range(20):  # a long run: a swap per step
-    engine._record('a', 'pool0', sp.SWAP_IN, Transfer('host', 'mesh', 100 + i, 0.5), 0.0)
+    engine._record('a', 'pool0', sp.SWAP_IN, Transfer('host', 'mesh', 100 + i, 0.5), 0.0, 0.5,
+                   0.0)
   assert [s['bytes'] for s in engine.log] == list(range(115, 120))
   assert engine.step_stats('a')['swaps'] == 20  # the per-step sums still count every swap
 
