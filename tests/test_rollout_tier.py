@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import threading
 
 import jax
@@ -98,7 +99,8 @@ def _embedded(graphdef, params, shardings, device, version=0):
   mesh = sharding.make_mesh([device], (1, 1))
   return EmbeddedSampler(graphdef, params, max_prompt_len=8, eos_id=TOK.eos_id,
                          pad_id=TOK.pad_id, version=version,
-                         shardings=sharding.same_layout(shardings, mesh))
+                         place=functools.partial(jax.device_put,
+                                                 device=sharding.same_layout(shardings, mesh)))
 
 
 class Both:
