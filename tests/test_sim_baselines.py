@@ -62,10 +62,11 @@ def _pool():
 
 def test_more_agents_than_meshes_swap_in_turn():
   # sync: rollout 6. a binds: swap in [6, 7] (the engine waits for it), a's update
-  # [7, 9.9]. b binds: a's state leaves once its work is done [9.9, 10.9], then b's
-  # comes in [10.9, 11.9]; b's update [11.9, 18.8]   ->   18.8
+  # [7, 9.9]. b binds: a's state leaves on the mesh's copy thread once its work is done
+  # [9.9, 10.9], not holding anyone up, while b's comes in [9.9, 10.9] (the two states
+  # share the mesh for the copy); b's update [10.9, 17.8]   ->   17.8
   r = simulate(_pool(), 'sync')
-  assert r.step_times == [pytest.approx(18.8)]
+  assert r.step_times == [pytest.approx(17.8)]
 
 
 def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
@@ -75,12 +76,13 @@ def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
   #      swap); its state is prefetched onto the mesh meanwhile [4, 5]. The bind held
   #      the rollout: query 1 starts at 4, ends at 7 (a [4, 5], b [5, 7]).
   #   a: micro-batch and step [7, 8.7]
-  #   b: its step is urgent: a leaves once its work is done [8.7, 9.7]; b's state is
-  #      there already; b's two micro-batches and step [9.7, 16.6]   ->   16.6
+  #   b: its step is urgent: a leaves on the mesh's copy thread once its work is done
+  #      [8.7, 9.7], holding no one up; b's state is there already; b's two
+  #      micro-batches and step [8.7, 15.6]   ->   15.6
   r = simulate(_pool(), 'flexmarl')
-  assert r.step_times == [pytest.approx(16.6)]
-  # Busy on the mesh: 2.9 + 6.9 s of training over the 16.6 s step.
-  assert r.utilization['train'] == pytest.approx(9.8 / 16.6)
+  assert r.step_times == [pytest.approx(15.6)]
+  # Busy on the mesh: 2.9 + 6.9 s of training over the 15.6 s step.
+  assert r.utilization['train'] == pytest.approx(9.8 / 15.6)
 
 
 def test_overlapped_swaps_leave_the_rollout_alone():
