@@ -206,7 +206,10 @@ def test_a_lora_team_learns_with_its_base_frozen(lora_run):
   workdir, config = lora_run
   metrics = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   accuracy = [m['accuracy'] for m in metrics if m.get('agent') == 'verifier' and 'accuracy' in m]
-  assert np.mean(accuracy[:3]) < 0.3 and np.mean(accuracy[-3:]) > 0.6, accuracy
+  # From near 0 to about 0.5-0.6 in 15 steps (0.8 by step 20): it rises by far more
+  # than the noise of a 64-row batch.
+  first, last = np.mean(accuracy[:3]), np.mean(accuracy[-3:])
+  assert first < 0.1 and last > first + 0.4, accuracy
   # The sampler serves base + adapters: on-policy rows have the trainer's logprobs.
   on_policy = [m['ratio_dev'] for m in metrics if m.get('staleness_max') == 0 and 'ratio_dev' in m]
   assert on_policy and max(on_policy) < 1e-4, on_policy
