@@ -227,6 +227,7 @@ def test_release_runs_off_the_caller_and_the_agent_waits_for_it():
     assert waiter.is_alive() and ('bind', 'a') not in events[2:]  # a waits for its copy
     gate.set()
     waiter.join(timeout=60)
+    engine.wait()  # b's copy out runs on the copy thread; a's bind does not wait for it
     # b's copy out (its own thread's work) and a's bind may come in either order.
     assert events[4] == ('released', 'a')
     assert sorted(events[5:]) == [('bind', 'a'), ('released', 'b')]
