@@ -22,6 +22,8 @@ from flexmarl.tokenizer import build_char_tokenizer
 #   optimizer step 0.5 s each; a query takes 1.0 + 2.0 = 3 s, so the rollout takes 6 s.
 # sync:          6 + (1.2 + 1.2 + 0.5) + (3.2 + 3.2 + 0.5)                  = 15.8
 # sync_parallel: 6 + max(2.9, 6.9)                                           = 12.9
+# flexmarl_no_pipeline: both batches are full at 6, each one micro-batch:
+#                a 4 x 12 x 0.05 + 0.5 = 2.9, b 4 x 32 x 0.05 + 0.5 = 6.9 -> 12.9
 # flexmarl:      query 0 ends at 3: a [3, 4.2], b [3, 6.2]; query 1 ends at 6:
 #                a [6, 7.2] + step [7.2, 7.7]; b [6.2, 9.4] + step [9.4, 9.9] =  9.9
 EXPECTED = {'sync': 15.8, 'sync_parallel': 12.9, 'flexmarl': 9.9,
@@ -52,6 +54,22 @@ def test_step_time_is_the_one_computed_by_hand(variant):
   assert r.bounds == [pytest.approx(EXPECTED[variant])]
   # Training pool busy: a 2.9 s + b 6.9 s of 2 x the step's wall.
   assert r.utilization['train'] == pytest.approx(9.8 / (2 * EXPECTED[variant]))
+
+
+def test_without_the_pipeline_each_agent_trains_once_its_own_batch_is_full():
+  # b's batch is one group (global batch 2), a's two: b is full when query 0 ends at 3,
+  # a when query 1 ends at 6.
+  # flexmarl_no_pipeline (one micro-batch per update): b [3, 6.2] (2 x 32 x 0.05) +
+  #   step [6.2, 6.7]; a [6, 8.4] (4 x 12 x 0.05) + step [8.4, 8.9]          =  8.9
+  # sync_parallel (after the whole rollout): a 1.2 + 1.2 + 0.5, b 3.2 + 0.5  = 6 + 3.7 = 9.7
+  # flexmarl: a [3, 4.2], [6, 7.2] + [7.2, 7.7]; b [3, 6.2] + [6.2, 6.7]       =  7.7
+  setup = _setup()
+  setup.agents.b.global_batch = 2
+  expected = {'flexmarl_no_pipeline': 8.9, 'sync_parallel': 9.7, 'flexmarl': 7.7}
+  for variant, step_s in expected.items():
+    r = simulate(setup, variant)
+    assert r.step_times == [pytest.approx(step_s)], variant
+    assert r.rollout_times == [pytest.approx(6.0)], variant
 
 
 def test_unknown_schedule_is_refused():

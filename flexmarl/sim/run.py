@@ -9,9 +9,11 @@ the busy time along the chain of the spans inside the step that ends last, i.e. 
 step time had nothing on that chain waited. All in simulated seconds.
 
 Variants (`VARIANTS`, each labelled with the system it stands for): `flexmarl` and the
-paper's ablations `flexmarl_no_pipeline` (train after the rollout, all agents at once,
-with load balancing) and `flexmarl_no_balance` (the pipeline without load balancing),
-on separate rollout and training pools; the baselines as those systems are built:
+paper's ablations `flexmarl_no_pipeline` (each agent's trainer waits for the agent's
+whole batch before its first micro-batch, then trains it while the rollout goes on for
+the others: the pipeline with one micro-batch per update; load balancing on) and
+`flexmarl_no_balance` (the pipeline without load balancing), on separate rollout and
+training pools; the baselines as those systems are built:
 `colocated` (MARTI: rollout and training on the same devices, every phase change
 moving weights and optimizer states, agents trained at once) and `agents_in_turn`
 (MAS-RL: colocated, the agents rolled out for and trained one after another,
@@ -55,11 +57,13 @@ class Variant:
   system: str  # what it stands for, in the output
   colocated: bool = False  # rollout and training on the same devices (sim.team)
   turns: bool = False  # one agent after another (sim.turns)
+  whole_batches: bool = False  # one micro-batch per update: the agent's whole batch
 
 
 VARIANTS = {
     'flexmarl': Variant('flexmarl', True, 'FlexMARL'),
-    'flexmarl_no_pipeline': Variant('sync_parallel', True, 'FlexMARL w/o micro-batch pipeline'),
+    'flexmarl_no_pipeline': Variant('flexmarl', True, 'FlexMARL w/o micro-batch pipeline',
+                                    whole_batches=True),
     'flexmarl_no_balance': Variant('flexmarl', False, 'FlexMARL w/o load balancing'),
     'colocated': Variant('sync_parallel', False, 'MARTI (colocated)', colocated=True),
     'agents_in_turn': Variant('sync', False, 'MAS-RL (agents in turn)', colocated=True,
@@ -153,7 +157,8 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
                 else SpanRecorder(clock))
     tags = StepTags(recorder)
     tokenizer = FastCharTokenizer()
-    spec = sim_team_spec(setup, v.schedule, v.balance, tokenizer, v.colocated)
+    spec = sim_team_spec(setup, v.schedule, v.balance, tokenizer, v.colocated,
+                         v.whole_batches)
     orch = build_orchestrator(
         spec, sim_workflow(setup), tokenizer, workdir, clock=clock,
         factories=lambda _: sim_factories(spec, setup, clock, tokenizer, tags),

@@ -127,9 +127,15 @@ def sim_workflow(setup: ml_collections.ConfigDict) -> RouterWorkflow:
 
 
 def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool,
-                  tokenizer: TextTokenizer, colocated: bool = False) -> TeamSpec:
-  """The TeamSpec the real orchestrator reads, for one schedule of a setup."""
+                  tokenizer: TextTokenizer, colocated: bool = False,
+                  whole_batches: bool = False) -> TeamSpec:
+  """The TeamSpec the real orchestrator reads, for one schedule of a setup.
+  whole_batches: every agent's micro-batch is its global batch, so that under a
+  pipelined schedule its trainer starts only once its whole batch is there (the
+  paper's ablation without the micro-batch pipeline)."""
   placement = sim_placement(setup, colocated)
+  global_batch = {name: a.get('global_batch') or setup.global_batch
+                  for name, a in setup.agents.items()}
   prompt_max = max(a.prompt_tokens['max'] for a in setup.agents.values())
   response_max = max(a.response_tokens['max'] for a in setup.agents.values())
   cfg = ml_collections.ConfigDict(dict(
@@ -141,8 +147,10 @@ def sim_team_spec(setup: ml_collections.ConfigDict, schedule: str, balance: bool
           or setup.query_parallelism, max_step_queries=setup.get('max_step_queries', 100000),
           balance=balance, balance_threshold=float(setup.balance_threshold)),
       agents={name: agent_config(
-          'tiny', group_size=a.group_size, global_batch=a.get('global_batch') or setup.global_batch,
-          micro_batch=a.get('micro_batch') or setup.micro_batch, mesh_shape=(1, a.rollout_tp),
+          'tiny', group_size=a.group_size, global_batch=global_batch[name],
+          micro_batch=(global_batch[name] if whole_batches
+                       else a.get('micro_batch') or setup.micro_batch),
+          mesh_shape=(1, a.rollout_tp),
           sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=int(a.response_tokens['max'])),
           rollout=dict(instances=len(placement.rollout[name]),
                        min_instances=a.min_instances, max_instances=0, devices=()))
