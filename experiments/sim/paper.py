@@ -60,14 +60,17 @@ SOURCES = {
                                         'flight (no parallel sampling)',
     'rollout_tp': 'assumed: 16 (one instance per node, any model)',
     'train_devices': 'assumed: 16 (one node per training mesh)',
-    'train_devices_per_row': 'assumed: 1 (training is data parallel over a micro-batch\'s rows)',
+    'train_devices_per_row': 'assumed: 1, over a micro-batch\'s rows on both pools (MARTI\'s '
+                             'trainer as fast per agent as a FlexMARL mesh; spread over its '
+                             'global batch, MARTI would beat FlexMARL at any training cost)',
     'group_size': 'assumed: 16 samples per prompt (a global batch of 64 rows is 4 queries)',
     'prompt_tokens': 'assumed: lognormal, median 1024, sigma 0.3',
     'response_tokens': 'assumed: lognormal, router median 64 (sigma 0.3), specialists 512 '
                        '(sigma 0.6), at most 8192',
     'workflow': 'assumed: a router, then one specialist per query, Zipf-skewed',
     'team (category)': 'assumed from MAS-RL / MARTI = 3.89 (~1.05 per agent on the merchant): '
-                       'a router + 3 specialists, Qwen2.5-14B, Zipf 0.8',
+                       'a router + 3 specialists, Qwen2.5-14B, Zipf 0.8; prompt and answer '
+                       'lengths assumed the merchant\'s',
     'compile_s': 'assumed: 60 s per model and mesh shape, first step only (left out: '
                  'warmup_steps = 1)',
 }
