@@ -269,8 +269,8 @@ class JointOrchestrator:
               if warning:
                 log(f'warning: {warning}')
               note = stalls.intervention(
-                  agent, self.step, values.get('entropy_coef', math.nan),
-                  self.agents[agent].spec.grpo.entropy_coef_min,
+                  agent, self.step, values.get('entropy_bonus', math.nan),
+                  self.agents[agent].spec.grpo.entropy_coef,
                   values.get('entropy', math.nan), values['accuracy'])
               if note:
                 log(note)

@@ -154,7 +154,7 @@ class Agent:
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
         on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
-        correct=np.concatenate([g.correct for g in micro]))
+        entropy_weight=grpo.entropy_weights(self.spec.grpo, [g.correct for g in micro]))
     version = self.version
 
     def work() -> None:

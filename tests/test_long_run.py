@@ -36,8 +36,8 @@ LR = 3e-3
 def _trainer(entropy_coef: float) -> AgentTrainer:
   mesh = sharding.make_mesh(jax.devices()[:1], (1, 1))
   return AgentTrainer('a', ModelConfig(vocab_size=20), OptimizerConfig(learning_rate=LR),
-                      # A fixed bonus (no control): the mechanism as first found.
-                      grpo.GRPOConfig(entropy_coef=entropy_coef, entropy_target=0.0), mesh,
+                      # The bonus on every row: the mechanism as first found.
+                      grpo.GRPOConfig(entropy_coef=entropy_coef, entropy_by_error=False), mesh,
                       seed=3)
 
 

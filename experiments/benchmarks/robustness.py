@@ -38,6 +38,12 @@ _QUICK = flags.DEFINE_bool('quick', False, 'One seed, short runs: a smoke test.'
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds per shape.')
 _SHAPES = flags.DEFINE_list('shapes', ['router_specialists', 'solver_verifier',
                                        'planner_workers_judge'], 'Team shapes to run.')
+_GRPO = flags.DEFINE_string('grpo', '', 'JSON object of GRPO fields over the library defaults '
+                            '(to try a candidate default on every agent), e.g. '
+                            '\'{"entropy_floor": 0.5}\'.')
+_OPTIMIZER = flags.DEFINE_string('optimizer', '', 'The same for optimizer fields.')
+_KEEP = flags.DEFINE_string('keep', '', 'Keep each run\'s folder under this one (default: '
+                            'temporary folders, deleted).')
 _ANALYZE = flags.DEFINE_string('analyze', '', 'Only report on this finished run folder.')
 
 END_FRACTION = 0.05  # the end: the last 5% of an agent's updates
@@ -68,6 +74,8 @@ def untuned_config(shape: Shape, seed: int, steps: int):
   for name in config.agents:
     config.agents[name].grpo = defaults.grpo
     config.agents[name].optimizer = defaults.optimizer
+    config.agents[name].grpo.update(json.loads(_GRPO.value or '{}'))
+    config.agents[name].optimizer.update(json.loads(_OPTIMIZER.value or '{}'))
   config.seed, config.steps = seed, steps
   config.checkpoint_every = steps
   return config
@@ -162,7 +170,8 @@ def main(argv):
     for seed in seeds:
       config = untuned_config(shape, seed, shape.quick_steps if _QUICK.value else shape.steps)
       log_lines: list[str] = []
-      with tempfile.TemporaryDirectory() as workdir:
+      with tempfile.TemporaryDirectory() as scratch:
+        workdir = os.path.join(_KEEP.value, f'{name}_{seed}') if _KEEP.value else scratch
         run.train(config, workdir, log=log_lines.append,
                   experiment=f'experiments/{shape.experiment}.py')
         result = report(workdir, best_constants(config), log_lines)

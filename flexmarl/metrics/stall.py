@@ -5,16 +5,16 @@ A GRPO group whose rewards are all equal has zero advantages and teaches nothing
 whose groups stay that way for many updates has collapsed onto one answer (or is
 always right, or always wrong) and nothing else in the output would say so.
 
-When the entropy control (`flexmarl.train.grpo.next_log_entropy_coef`) raises an
-agent's entropy coefficient several-fold, well above its floor, the framework is
-intervening; the watch says that too, once per rise.
+When an agent that had learned goes wrong again, its entropy bonus, which follows its
+error (`flexmarl.train.grpo.entropy_weights`), rises with it: the framework is pushing
+it to explore again, and the watch says so, once per rise.
 """
 
 from __future__ import annotations
 
 import math
 
-RAISED = 10  # the intervention line: the coefficient at least this multiple of its floor ...
+RAISED = 0.5  # the intervention line: the bonus at least this share of entropy_coef ...
 RISE = 4  # ... and this multiple of its lowest value since the last line (or the start)
 
 
@@ -28,7 +28,7 @@ class StallWatch:
                        'threshold in [0, 1] and a patience >= 1 updates.')
     self.threshold, self.patience = threshold, patience
     self._run: dict[str, int] = {}
-    self._low: dict[str, float] = {}  # each agent's lowest coefficient since its last line
+    self._low: dict[str, float] = {}  # each agent's lowest bonus since its last line
 
   def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan,
              accuracy: float = math.nan) -> str | None:
@@ -49,22 +49,22 @@ class StallWatch:
             'temperature or entropy_coef, give partial-credit rewards, or check the reward '
             'function.')
 
-  def intervention(self, agent: str, step: int, entropy_coef: float, floor: float,
+  def intervention(self, agent: str, step: int, bonus: float, entropy_coef: float,
                    entropy: float = math.nan, accuracy: float = math.nan) -> str | None:
-    """A line when the agent's controlled entropy coefficient has risen to RISE × its
-    lowest value since the last line (or the start) and is at least RAISED × its `floor`
-    (entropy_coef_min): the control is pushing a policy that stopped exploring while
-    still wrong. Once per rise; NaN (no control, no update) is ignored."""
-    if math.isnan(entropy_coef):
+    """A line when the agent's entropy bonus (its mean over the update's tokens) has
+    risen to RISE × its lowest value since the last line (or the start) and to at least
+    RAISED × its `entropy_coef`: an agent that had learned is wrong again and is pushed
+    to explore. Once per rise; NaN (no update) is ignored."""
+    if math.isnan(bonus):
       return None
-    low = min(self._low.get(agent, entropy_coef), entropy_coef)
+    low = min(self._low.get(agent, bonus), bonus)
     self._low[agent] = low
-    if entropy_coef < max(RISE * low, RAISED * floor):
+    if bonus < max(RISE * low, RAISED * entropy_coef) or bonus == 0:
       return None
-    self._low[agent] = entropy_coef
+    self._low[agent] = bonus
     ent = '' if math.isnan(entropy) else f' at policy entropy {entropy:.3f} nats/token'
     acc = '' if math.isnan(accuracy) else f' and accuracy {accuracy:.2f}'
-    return (f'step {step}: agent {agent!r}: the framework raises its entropy bonus '
-            f'(entropy_coef {entropy_coef:.3g}, from {low:.3g}){ent}{acc}: it answers '
-            'less varied than grpo.entropy_target for how often it is wrong, so it is pushed '
-            'to explore. Nothing to do unless this repeats for long; then check the reward.')
+    return (f'step {step}: agent {agent!r}: the framework raises its entropy bonus to '
+            f'{bonus:.3g} (from {low:.3g}, of at most entropy_coef={entropy_coef:.3g}){ent}'
+            f'{acc}: it is wrong again where it had been right, so it is pushed to explore '
+            'there. Nothing to do unless this repeats for long; then check the reward.')

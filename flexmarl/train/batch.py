@@ -25,19 +25,18 @@ class TrainBatch:
   # logprobs are taken from the trainer (ratio exactly 1): the sampler's agree only to
   # float rounding, which varies with the shape of the batch it served them in.
   on_policy: np.ndarray
-  # [B] float32: 1.0 / 0.0 where the workflow said whether the row is right, else NaN
-  # (padding rows too). Host-side only: the entropy control reads it, the loss does not.
-  correct: np.ndarray | None = None
+  # [B] float32: the row's share of the entropy bonus (`grpo.entropy_weights`).
+  entropy_weight: np.ndarray
 
   @classmethod
   def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
                 logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
                 response_len: int, pad_id: int, batch_multiple: int = 1,
                 on_policy: np.ndarray | None = None,
-                correct: np.ndarray | None = None) -> 'TrainBatch':
+                entropy_weight: np.ndarray | None = None) -> 'TrainBatch':
     """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
-    `on_policy` [rows]: see the field (default: every row's behaviour logprobs are the
-    sampler's `logprobs`).
+    `on_policy`, `entropy_weight` [rows]: see the fields (defaults: every row's behaviour
+    logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
     Prompt and response widths shrink to the longest row, rounded up to a multiple of
     4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
@@ -58,22 +57,14 @@ class TrainBatch:
     same = np.zeros((size,), bool)
     if on_policy is not None:
       same[:n] = on_policy
-    right = np.full((size,), np.nan, np.float32)
-    if correct is not None:
-      right[:n] = correct
-    return cls(ids, pmask, resp, rmask, blp, adv, same, right)
+    weight = np.ones((size,), np.float32)
+    if entropy_weight is not None:
+      weight[:n] = entropy_weight
+    return cls(ids, pmask, resp, rmask, blp, adv, same, weight)
 
   def device_arrays(self) -> dict[str, np.ndarray]:
-    """The arrays the loss reads (everything but `correct`)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'correct'}
-
-  @property
-  def correct_counts(self) -> tuple[int, int]:
-    """(rows known right, rows whose correctness is known)."""
-    if self.correct is None:
-      return 0, 0
-    known = self.correct[~np.isnan(self.correct)]
-    return int(known.sum()), int(known.size)
+    """The arrays the loss reads."""
+    return dataclasses.asdict(self)
 
   @property
   def tokens(self) -> int:

@@ -18,17 +18,16 @@ Options from the field, all per agent:
   [1 - low, 1 + high] (both default to `clip_eps`).
 - DAPO dynamic sampling: `dynamic_sampling=True` drops groups whose rewards are all
   equal (`zero_spread`: their advantages are 0, they teach nothing).
-- Entropy control (on by default, `entropy_target`): the entropy bonus's coefficient
-  is steered each update toward a target entropy scaled by the batch's error rate
-  (`next_log_entropy_coef`); or, with `entropy_target=0`, a fixed bonus annealed
-  linearly to 0 (`entropy_coef`, `entropy_decay_steps`).
+- The entropy bonus (`entropy_coef`, on by default) acts on each row in proportion to
+  how much of its group is wrong (`entropy_weights`, `entropy_by_error`): it keeps an
+  agent exploring where it is still wrong and fades where it is right. It can also be
+  annealed to 0 over a number of updates (`entropy_decay_steps`).
 - No optimizer step from a solved batch without advantage signal
   (`skip_without_signal`, on by default; `takes_step`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -63,61 +62,33 @@ def zero_spread_fraction(groups_rewards) -> float:
 
 
 def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
-  """The fixed entropy bonus (`entropy_target=0`) for an agent's update number `version`.
-
-  Early on the bonus keeps a tiny policy from collapsing onto one answer; once
-  groups agree (zero advantages), Adam would turn the bonus alone into full-size
-  steps toward randomness, so it is annealed away.
-  """
+  """The entropy bonus's coefficient for an agent's update number `version`: constant,
+  or annealed linearly to 0 over `entropy_decay_steps` (a schedule tied to a number of
+  updates; `entropy_by_error` fades it by progress instead)."""
   if not cfg.entropy_decay_steps:
     return cfg.entropy_coef
   return cfg.entropy_coef * max(0.0, 1.0 - version / cfg.entropy_decay_steps)
 
 
-# The controlled coefficient falls at least this fraction of `entropy_rate` per update
-# while the policy is more random than its target, whatever the accuracy: a policy made
-# near-random by a high coefficient (accuracy ~0) must not keep it forever.
-FALL_FLOOR = 0.1
+def entropy_weights(cfg: GRPOConfig, correct: Sequence[np.ndarray]) -> np.ndarray:
+  """Per row of the groups given (each its rows' correctness: 1.0 / 0.0, NaN where the
+  workflow did not say), the share of the entropy bonus the row gets: with
+  `entropy_by_error`, the share of its group that is wrong (all of it where unknown),
+  else 1.
 
-
-def initial_log_entropy_coef(cfg: GRPOConfig) -> float:
-  """log of the controlled coefficient at version 0: `entropy_coef`, within the bounds."""
-  start = min(max(cfg.entropy_coef, cfg.entropy_coef_min), cfg.entropy_coef_max)
-  return math.log(start)
-
-
-def entropy_target_for(cfg: GRPOConfig, accuracy: float) -> float:
-  """The entropy per token the control steers toward after a batch of `accuracy`
-  (exact-match rate; NaN where the workflow did not say): `entropy_target` times the
-  error rate. An agent that is still often wrong must keep sampling other answers, or
-  its groups agree and GRPO has nothing to compare; one that is right may sharpen, and
-  pushing it toward randomness is what makes a solved policy drift (issue 22)."""
-  error = 1.0 if math.isnan(accuracy) else 1.0 - accuracy
-  return cfg.entropy_target * error
-
-
-def next_log_entropy_coef(cfg: GRPOConfig, log_coef: float, entropy: float,
-                          accuracy: float) -> float:
-  """The log-coefficient after one update whose batch had `entropy` nats per token
-  (mean over its response tokens) and `accuracy`.
-
-  Moves by `entropy_rate` × (target - entropy) / max(target, entropy), a log step: up
-  while the policy is less random than the target, down while it is more (a relative
-  gap in [-1, 1]: a solved agent, target 0, sheds its coefficient at the full rate,
-  however small its entropy), but no faster than the agent succeeds: the factor is
-  clipped below at -max(accuracy, FALL_FLOOR). An agent that has found nothing yet keeps its pressure to
-  explore (measured: a coefficient that fell while a tiny policy was still random let
-  it collapse onto a constant answer within 60 updates, and one raised in a hurry
-  swung it to near-random answers and back); a solved one sheds it. Then bounded to
-  [entropy_coef_min, entropy_coef_max]. A NaN entropy (no tokens) keeps it.
+  The bonus keeps a policy exploring where it is still wrong, so that its groups keep
+  differing and GRPO keeps a signal; where it is right there is nothing left to find,
+  and a bonus there only pushes a solved answer toward randomness (Adam turns that push
+  into full-size steps once the group's advantages are 0). Scaled by the error, the
+  bonus fades as an agent learns, prompt by prompt: a schedule that follows the
+  agent's progress, not the run's length.
   """
-  if math.isnan(entropy):
-    return log_coef
-  target = entropy_target_for(cfg, accuracy)
-  gap = (target - entropy) / max(target, entropy, 1e-9)
-  fall = 1.0 if math.isnan(accuracy) else max(accuracy, FALL_FLOOR)
-  moved = log_coef + cfg.entropy_rate * min(1.0, max(-fall, gap))
-  return min(math.log(cfg.entropy_coef_max), max(math.log(cfg.entropy_coef_min), moved))
+  rows = [np.asarray(c, np.float64) for c in correct]
+  if not cfg.entropy_by_error:
+    return np.ones(sum(r.size for r in rows), np.float32)
+  out = [np.full(r.size, 1.0 if np.all(np.isnan(r)) else 1.0 - np.nanmean(r), np.float32)
+         for r in rows]
+  return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
 
 def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
@@ -138,9 +109,8 @@ def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
   """
   if not cfg.skip_without_signal:
     return True
-  signal = any(np.any(np.asarray(a) != 0) for a in advantages)
-  solved = all(np.all(np.asarray(c) == 1.0) for c in correct)
-  return signal or not solved
+  return not all(np.all(np.asarray(a) == 0) and np.all(np.asarray(c) == 1.0)
+                 for a, c in zip(advantages, correct))
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
@@ -170,7 +140,8 @@ def grpo_token_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array,
                     entropy_coef: jax.Array | float) -> jax.Array:
   """Per-token loss [B, T] (to be masked and summed).
 
-  advantages: [B], broadcast over a row's tokens.
+  advantages: [B], broadcast over a row's tokens; entropy_coef: a scalar, or [B, 1]
+  (per row: `entropy_weights` times the coefficient).
   """
   ratio = jnp.exp(logprobs - behaviour_logprobs)
   adv = advantages[:, None]

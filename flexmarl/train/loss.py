@@ -37,13 +37,15 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
     ref_logp = jax.lax.stop_gradient(ref_logp)
   behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp),
                         batch['behaviour_logprobs'])
+  bonus = entropy_coef * batch['entropy_weight'][:, None]  # [B, 1]
   per_token = grpo.grpo_token_loss(logp, behaviour, batch['advantages'], entropy, ref_logp,
-                                   cfg, entropy_coef)
+                                   cfg, bonus)
   served = jnp.exp(logp - batch['behaviour_logprobs'])  # against what the sampler saw
   stats = {
       'entropy': grpo.masked_sum(entropy, mask),
       'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(jnp.exp(logp - behaviour), cfg),
                                  mask),
       'ratio_dev': grpo.masked_sum(jnp.abs(served - 1.0), mask),
+      'entropy_bonus': grpo.masked_sum(jnp.broadcast_to(bonus, mask.shape), mask),
   }
   return grpo.masked_sum(per_token, mask), stats

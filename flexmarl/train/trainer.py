@@ -6,9 +6,6 @@ accumulates gradients over micro-batches (`accumulate`) and applies one optimize
 step per global batch (`apply`), dividing by the batch's token count then. The
 schedules decide *when* these run; the numbers do not depend on it.
 
-It also steers the agent's entropy coefficient (`grpo.next_log_entropy_coef`): each
-optimizer step's measured entropy and accuracy set the coefficient of the next one.
-The coefficient is part of the train state, so checkpoints and resumes carry it.
 """
 
 from __future__ import annotations
@@ -107,12 +104,7 @@ class AgentTrainer:
     self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
     self._tokens = self._rows = 0
-    self._right = self._known = 0  # rows right / rows with known correctness, this batch
     self._coef = 0.0  # the entropy coefficient this batch's gradient uses
-    # The entropy control: log of the coefficient the next update uses, and the last
-    # step's (stats, tokens, accuracy) until its entropy is read (`_settle_entropy`).
-    self._log_coef = grpo.initial_log_entropy_coef(grpo_cfg)
-    self._unsettled: tuple[list[dict], int, float] | None = None
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
     if isinstance(mesh, Mesh):
       self.bind(mesh)
@@ -200,43 +192,18 @@ class AgentTrainer:
     """Move the state off its mesh, leaving the mesh free for another agent (or, not
     bound, from host memory to storage)."""
     self._stats = jax.device_get(self._stats)
-    self._settle_entropy()
     self.state, transfer = state_lib.move(self.state, to)
     self.mesh = None
     return transfer
 
   # -- training -------------------------------------------------------------------------
 
-  @property
-  def controls_entropy(self) -> bool:
-    return bool(self.grpo_cfg.entropy_target)
-
-  def entropy_coef(self, update: int) -> float:
-    """The entropy coefficient of update number `update`: the controlled one, or the
-    fixed bonus's schedule (`entropy_target=0`)."""
-    if not self.controls_entropy:
-      return grpo.entropy_coef_at(self.grpo_cfg, update)
-    self._settle_entropy()
-    return math.exp(self._log_coef)
-
-  def _settle_entropy(self) -> None:
-    """Move the controlled coefficient by the last step's measured entropy. Done when
-    it is next needed (not in `dispatch_apply`, which must not wait for the device), so
-    the coefficient depends only on the batches, never on when the step finished."""
-    if self._unsettled is None:
-      return
-    stats, tokens, accuracy = self._unsettled
-    self._unsettled = None
-    entropy = sum(float(s['entropy']) for s in jax.device_get(stats)) / tokens
-    self._log_coef = grpo.next_log_entropy_coef(self.grpo_cfg, self._log_coef, entropy,
-                                                accuracy)
-
   def accumulate(self, batch: TrainBatch, update: int = 0) -> dict:
     """Add one micro-batch's gradient (of the token-summed loss) to the accumulator;
     returns its summed stats (device arrays, ready once the micro-batch is computed).
     `update`: the agent's updates so far (a fixed entropy bonus anneals over them)."""
     self._bound()
-    coef = self.entropy_coef(update)
+    coef = grpo.entropy_coef_at(self.grpo_cfg, update)
     with jax.set_mesh(self.mesh):
       grads = self.state.grads
       if grads is None:
@@ -248,9 +215,6 @@ class AgentTrainer:
     self._stats.append(stats)
     self._tokens += batch.tokens
     self._rows += batch.rows
-    right, known = batch.correct_counts
-    self._right += right
-    self._known += known
     self._coef = coef
     return stats
 
@@ -266,8 +230,8 @@ class AgentTrainer:
     the caller may run other work, e.g. a rollout on other devices. `step=False`
     (`grpo.takes_step` says so for a solved batch without signal) drops the
     accumulated gradient instead: no Adam update, no parameter change; stats say
-    `skipped_update` 1. Either way the batch's entropy and accuracy steer the entropy
-    coefficient (stats: `entropy_coef`, the one this batch's gradient used)."""
+    `skipped_update` 1 (stats: `entropy_coef`, the coefficient this batch's gradient used;
+    `entropy_bonus`, its mean over the tokens after `grpo.entropy_weights`)."""
     tokens = self._tokens
     if tokens == 0:
       raise RuntimeError(f'agent {self.name!r}: optimizer step with no accumulated tokens.')
@@ -283,10 +247,7 @@ class AgentTrainer:
       self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
     self.state = dataclasses.replace(self.state, grads=None)
     pending, coef = self._stats, self._coef
-    if self.controls_entropy:
-      accuracy = self._right / self._known if self._known else float('nan')
-      self._unsettled = (pending, tokens, accuracy)
-    self._stats, self._tokens, self._rows, self._right, self._known = [], 0, 0, 0, 0
+    self._stats, self._tokens, self._rows = [], 0, 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
@@ -299,21 +260,14 @@ class AgentTrainer:
 
   def train_state(self) -> dict:
     """What a checkpoint holds (a stored state is read into host memory for it)."""
-    self._settle_entropy()
     state = self.state
     if isinstance(state.location, InStorage):
       state, _ = state_lib.move(state, OnHost())
-    out = {'params': state.params, 'opt_state': state.opt_state}
-    if self.grpo_cfg.entropy_target:  # the steered coefficient (a fixed bonus: none)
-      out['log_entropy_coef'] = np.asarray(self._log_coef, np.float64)
-    return out
+    return {'params': state.params, 'opt_state': state.opt_state}
 
   def load_train_state(self, state: dict) -> None:
     """Take a restored state, kept where this agent's state lives now."""
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.location)
-    self._stats, self._tokens, self._rows, self._right, self._known = [], 0, 0, 0, 0
-    if 'log_entropy_coef' in state:
-      self._log_coef = float(state['log_entropy_coef'])
-    self._unsettled = None
+    self._stats, self._tokens, self._rows = [], 0, 0
