@@ -59,6 +59,9 @@ SHAPES = {
     'router_specialists': Shape('hierarchical_assistant', 1500, 300),
     'solver_verifier': Shape('solver_verifier', 400, 150),
     'planner_workers_judge': Shape('planner_workers_judge', 600, 200),
+    'debate': Shape('debate', 300, 100),
+    'chain': Shape('chain', 300, 100),
+    'router_six': Shape('router_six', 400, 150),
 }
 
 
