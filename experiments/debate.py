@@ -18,7 +18,7 @@ from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_c
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.steps = 300
+  config.steps = 400
   steps = config.get_ref('steps')  # the schedules below follow `--config.steps`
   config.schedule = 'flexmarl'
   config.tokenizer = 'char'
