@@ -59,11 +59,11 @@ SHAPES = {
     'router_specialists': Shape('hierarchical_assistant', 1500, 300),
     'solver_verifier': Shape('solver_verifier', 400, 150),
     'planner_workers_judge': Shape('planner_workers_judge', 600, 200),
-    # Measured on the busy 2-core machine (4 people): compile ~55 s (debate, chain) and
-    # ~250 s (router_six, seven agents), then 0.4 / 0.1 / 0.3 s a step.
+    # Measured with 2 cores shared by four people (load 6-11): compile ~55 s (debate,
+    # chain) and ~250 s (router_six: seven agents), then 0.25 / 0.1 / 0.3 s a step.
     'debate': Shape('debate', 400, 150),
     'chain': Shape('chain', 500, 150),
-    'router_six': Shape('router_six', 500, 150),
+    'router_six': Shape('router_six', 400, 150),
 }
 
 
