@@ -12,6 +12,7 @@ from flexmarl.workflows import tasks
     ('add', {'max_operand': 4}), ('add', {'max_operand': 9}),
     ('reverse', {'length': 3, 'alphabet': 4}), ('sort', {'length': 2, 'max_digit': 4}),
     ('sort', {'length': 3, 'max_digit': 4}), ('successor', {'alphabet': 8}),
+    ('predecessor', {'alphabet': 8}), ('double', {'max_operand': 4}),
 ])
 def test_no_constant_answer_reaches_0_3_exact_match(family, args):
   rng = np.random.default_rng(0)
@@ -29,6 +30,11 @@ def test_answers_are_right():
     assert r.answer == r.prompt[::-1]
     s = tasks.sort(rng, length=3)
     assert s.answer == ''.join(sorted(s.prompt))
+    d = tasks.double(rng)
+    assert d.prompt.endswith('*2') and int(d.answer) == 2 * int(d.prompt[:-2])
+    p = tasks.predecessor(rng, alphabet=8)
+    assert p.prompt[1:] == '<'
+    assert 'abcdefgh'.index(p.answer) == ('abcdefgh'.index(p.prompt[0]) - 1) % 8
 
 
 @pytest.mark.parametrize('alphabet', [8, 26])

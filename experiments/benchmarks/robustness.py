@@ -3,13 +3,16 @@ optimizer defaults only (each agent's `grpo` and `optimizer` sections reset).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python experiments/benchmarks/robustness.py [--quick] [--seeds=0,1,2] \
-      [--shapes=router_specialists,solver_verifier,planner_workers_judge]
+      [--shapes=router_specialists,solver_verifier,planner_workers_judge,debate,chain,router_six]
   python experiments/benchmarks/robustness.py --analyze=RUN_DIR  # one finished run
 
 Shapes, each an existing experiment with its per-team tuning removed:
 - router_specialists: the default experiment (router + reverser, sorter, adder; Zipf 1.0);
 - solver_verifier: a solver answers sums, a verifier says y/n to each answer;
-- planner_workers_judge: a planner, a worker called twice in parallel, a judge.
+- planner_workers_judge: a planner, a worker called twice in parallel, a judge;
+- debate: two agents answer a sum in turn over two turns, each reading the other's claims;
+- chain: three agents, each working on the previous one's answer (sum, 8 - x, a letter);
+- router_six: a router and six specialists, Zipf 0.6 (the rarest gets 10% of the queries).
 
 Per agent: the best constant answer's exact-match rate, the accuracy at the end (mean
 over the last 5% of its updates), the first step where a 10-update mean passes 0.9,
@@ -37,10 +40,11 @@ from absl import app, flags  # noqa: E402
 _QUICK = flags.DEFINE_bool('quick', False, 'One seed, short runs: a smoke test.')
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds per shape.')
 _SHAPES = flags.DEFINE_list('shapes', ['router_specialists', 'solver_verifier',
-                                       'planner_workers_judge'], 'Team shapes to run.')
+                                       'planner_workers_judge', 'debate', 'chain',
+                                       'router_six'], 'Team shapes to run.')
 _GRPO = flags.DEFINE_string('grpo', '', 'JSON object of GRPO fields over the library defaults '
                             '(to try a candidate default on every agent), e.g. '
-                            '\'{"entropy_floor": 0.5}\'.')
+                            '\'{"entropy_coef": 0.1}\'.')
 _OPTIMIZER = flags.DEFINE_string('optimizer', '', 'The same for optimizer fields.')
 _KEEP = flags.DEFINE_string('keep', '', 'Keep each run\'s folder under this one (default: '
                             'temporary folders, deleted).')
@@ -61,6 +65,11 @@ SHAPES = {
     'router_specialists': Shape('hierarchical_assistant', 1500, 300),
     'solver_verifier': Shape('solver_verifier', 400, 150),
     'planner_workers_judge': Shape('planner_workers_judge', 600, 200),
+    # Measured with 2 cores shared by four people (load 6-11): compile ~55 s (debate,
+    # chain) and ~250 s (router_six: seven agents), then 0.25 / 0.1 / 0.3 s a step.
+    'debate': Shape('debate', 400, 150),
+    'chain': Shape('chain', 500, 150),
+    'router_six': Shape('router_six', 400, 150),
 }
 
 
@@ -83,8 +92,10 @@ def untuned_config(shape: Shape, seed: int, steps: int):
 
 def best_constants(config) -> dict[str, float]:
   """Each agent's exact-match rate of its best constant answer over the task
-  distribution; NaN where it depends on another agent (the verifier)."""
-  from experiments import team_of_three
+  distribution; NaN where it depends on another agent (the verifier). A user's workflow
+  (`module:Class`) enumerates its own, in its module's `best_constant_accuracy()`."""
+  import importlib
+
   from flexmarl.workflows import tasks
   wf = config.workflow
   rng = np.random.default_rng(0)
@@ -92,8 +103,8 @@ def best_constants(config) -> dict[str, float]:
   def family(name: str, args: dict) -> float:
     counts = collections.Counter(tasks.FAMILIES[name](rng, **args).answer for _ in range(4000))
     return max(counts.values()) / 4000
-  if 'team_of_three' in wf.name:
-    return team_of_three.best_constant_accuracy()
+  if ':' in wf.name:
+    return importlib.import_module(wf.name.partition(':')[0]).best_constant_accuracy()
   if wf.name == 'solver_verifier':
     return {wf.solver: family(wf.family, dict(wf.task_args)), wf.verifier: math.nan}
   out = {wf.router: float(tasks.zipf_probs(len(wf.specialists), wf.zipf).max())}

@@ -46,8 +46,20 @@ def successor(rng: np.random.Generator, alphabet: int = 8) -> Task:
   return Task('successor', f'{letters[i]}>', letters[(i + 1) % alphabet])
 
 
+def predecessor(rng: np.random.Generator, alphabet: int = 8) -> Task:
+  i = int(rng.integers(0, alphabet))
+  letters = string.ascii_lowercase[:alphabet]
+  return Task('predecessor', f'{letters[i]}<', letters[i - 1])  # 'a' wraps to the last
+
+
+def double(rng: np.random.Generator, max_operand: int = 4) -> Task:
+  x = int(rng.integers(0, max_operand + 1))
+  return Task('double', f'{x}*2', str(2 * x))
+
+
 FAMILIES: dict[str, Callable[..., Task]] = {
-    'add': add, 'reverse': reverse, 'sort': sort, 'successor': successor}
+    'add': add, 'reverse': reverse, 'sort': sort, 'successor': successor,
+    'predecessor': predecessor, 'double': double}
 
 
 def check_task_args(family: str, args: Mapping[str, Any], field: str) -> dict[str, Any]:
