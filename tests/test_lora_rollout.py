@@ -1,0 +1,160 @@
+"""LoRA agents of one base served by one rollout instance (`rollout.adapter_groups`):
+each agent's rows are those of a dedicated instance, at its own version; `sync` ≡
+`flexmarl`; a team on shared instances learns; placement says who shares what; bad
+groups are refused."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import planner_workers_judge
+from flexmarl.config import ConfigError, build_team_spec
+from flexmarl.interfaces import Weights
+from flexmarl.metrics import spans
+from flexmarl.metrics.writer import read_metrics
+from flexmarl.run import build, train
+from test_lora import _checkpoint, _lora_team
+
+TEAM = ('planner', 'worker', 'judge')
+QUIET = dict(log=lambda *_: None)
+
+
+def _three(steps: int, shared: bool, schedule: str = 'flexmarl'):
+  """The planner, worker and judge as adapters on one random base (seed 7), rolling out
+  on their training devices; with `shared`, all three on the planner's one instance."""
+  c = planner_workers_judge.get_config('runlocal')
+  c.steps, c.checkpoint_every, c.schedule = steps, steps, schedule
+  c.rollout.devices = 'shared'
+  for name in TEAM:
+    c.agents[name].model.lora = dict(rank=8, alpha=16.0)
+    c.agents[name].model.base_seed = 7
+  if shared:
+    c.rollout.adapter_groups = [list(TEAM)]
+  return c
+
+
+def _trained(params: dict, seed: int) -> dict:
+  """`params` with every adapter B drawn at random: an agent whose adapter changed."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: (rng.normal(size=x.shape).astype(x.dtype) * 0.3
+                       if path[-1].key == 'lora_b' else x), jax.device_get(params))
+
+
+def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
+  served, batches = {}, {}
+  for shared in (False, True):
+    c = _three(2, shared)
+    # two groups a batch: an instance's next batch takes queued requests of queries at
+    # different stages, so the shared one mixes the agents' rows
+    c.rollout.max_batch = 16
+    orchestrator = build(c, str(tmp_path / f'shared{shared}'), **QUIET)
+    try:
+      # Each agent publishes its own adapter at its own version (planner 1, worker 2,
+      # judge 3): a row's key and adapter are its agent's, whoever shares its batch.
+      for k, name in enumerate(TEAM):
+        agent = orchestrator.agents[name]
+        agent.pool.publish(Weights(_trained(agent.trainer.params, seed=k), version=k + 1))
+      results = orchestrator.engine.run(orchestrator.workflow,
+                                        [orchestrator.query(i) for i in range(5)])
+      served[shared] = {(g.query_id, g.call): g for r in results for g in r.served}
+      batches[shared] = [s.args['agent'] for s in orchestrator.recorder.spans()
+                         if s.name == spans.GENERATE]
+      assert len(orchestrator.engine.instances) == (1 if shared else 3)
+    finally:
+      orchestrator.close()
+  assert served[True].keys() == served[False].keys()
+  assert {g.agent for g in served[True].values()} == set(TEAM)
+  for key, own in served[False].items():
+    group = served[True][key]
+    assert (group.agent, group.version) == (own.agent, TEAM.index(own.agent) + 1)
+    for x, y in zip(group.tokens, own.tokens, strict=True):
+      np.testing.assert_array_equal(x, y, err_msg=str(key))
+    for x, y in zip(group.logprobs, own.logprobs, strict=True):
+      np.testing.assert_allclose(x, y, atol=1e-5, err_msg=str(key))
+  # the shared instance did serve batches that mixed the agents' rows
+  assert any('+' in agents for agents in batches[True]), batches[True]
+
+
+def test_sync_and_flexmarl_agree_on_a_shared_instance(tmp_path):
+  leaves = {}
+  for schedule in ('sync', 'flexmarl'):
+    workdir = str(tmp_path / schedule)
+    train(_three(2, shared=True, schedule=schedule), workdir, **QUIET)
+    leaves[schedule] = {a: jax.tree.leaves(_checkpoint(workdir, a, 2)['params']) for a in TEAM}
+  for agent in TEAM:
+    for x, y in zip(leaves['sync'][agent], leaves['flexmarl'][agent], strict=True):
+      assert np.abs(x - y).max() <= 1e-5, (agent, np.abs(x - y).max())
+
+
+def test_a_team_on_one_shared_instance_learns(tmp_path):
+  c = _lora_team(steps=15)
+  c.rollout.adapter_groups = [['solver', 'verifier']]
+  workdir = str(tmp_path / 'run')
+  train(c, workdir, **QUIET)
+  metrics = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  for agent in ('solver', 'verifier'):
+    reward = [m['reward_mean'] for m in metrics if m.get('agent') == agent and 'reward_mean' in m]
+    assert np.mean(reward[-3:]) > np.mean(reward[:3]) + 0.2, (agent, reward)
+  # rows sampled by the shared instance carry the trainer's own logprobs (on-policy)
+  on_policy = [m['ratio_dev'] for m in metrics if m.get('staleness_max') == 0 and 'ratio_dev' in m]
+  assert on_policy and max(on_policy) < 1e-4, on_policy
+  with open(os.path.join(workdir, 'placement.json'), encoding='utf-8') as f:
+    assert json.load(f)['adapter_groups'] == [['solver', 'verifier']]
+
+
+def _spec(c, devices: int = 8):
+  return build_team_spec(c, 20, list(range(devices)), list(TEAM))
+
+
+def test_placement_shows_who_shares_which_instance():
+  c = _three(2, shared=True)
+  c.rollout.devices = 'separate'
+  c.agents.planner.rollout.instances = 2
+  c.agents.worker.rollout.instances = c.agents.judge.rollout.instances = 2
+  placement = _spec(c).placement
+  # 3 training devices and the group's 2 instances: 5 devices, not 3 + 3 × 2
+  # the group's first agent, then the others in config order (ConfigDict sorts its keys)
+  assert placement.adapter_groups == (('planner', 'judge', 'worker'),)
+  assert placement.fitted is None
+  assert placement.rollout['worker'] == placement.rollout['planner'] == placement.rollout['judge']
+  assert [m.devices for m in placement.rollout['planner']] == [(3,), (4,)]
+  assert 'one adapter of planner, judge, worker on each' in placement.describe()
+  assert type(placement).from_dict(placement.to_dict()) == placement
+
+
+@pytest.mark.parametrize('change, needles', [
+    (lambda c: setattr(c.rollout, 'adapter_groups', [['planner', 'critic']]),
+     ['rollout.adapter_groups[0]', "['critic']"]),
+    (lambda c: setattr(c.rollout, 'adapter_groups', [['planner', 'worker'], ['worker', 'judge']]),
+     ['rollout.adapter_groups[1]', "'worker' is in group 0"]),
+    (lambda c: setattr(c.agents.judge.model.lora, 'rank', 0),
+     ['agents.judge.model.lora.rank=0', 'take it out of the group']),
+    (lambda c: setattr(c.agents.judge.model, 'base_seed', -1),
+     ['rollout.adapter_groups[0]', "'judge'", 'model.base_seed']),
+    (lambda c: setattr(c.agents.judge.sampling, 'temperature', 0.5),
+     ['rollout.adapter_groups[0]', 'sampling']),
+    (lambda c: setattr(c.agents.judge.rollout, 'instances', 2),
+     ['rollout.adapter_groups[0]', 'rollout.instances']),
+    (lambda c: setattr(c.cluster, 'backend', 'ray'),
+     ['rollout.adapter_groups', 'one process', 'cluster.backend=local']),
+])
+def test_bad_adapter_groups_are_refused(change, needles):
+  c = _three(2, shared=True)
+  change(c)
+  with pytest.raises(ConfigError) as err:
+    _spec(c)
+  for needle in needles:
+    assert needle in str(err.value), str(err.value)
+
+
+def test_vllm_refuses_shared_adapter_instances():
+  pytest.importorskip('vllm', reason='the vLLM backend is not installed')
+  c = _three(2, shared=True)
+  c.rollout.backend = 'vllm'
+  with pytest.raises(ConfigError, match=r'rollout.adapter_groups.*embedded sampler only.*'
+                     r'rollout.backend=embedded'):
+    _spec(c)
