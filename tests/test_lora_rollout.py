@@ -24,13 +24,19 @@ QUIET = dict(log=lambda *_: None)
 
 def _three(steps: int, shared: bool, schedule: str = 'flexmarl'):
   """The planner, worker and judge as adapters on one random base (seed 7), rolling out
-  on their training devices; with `shared`, all three on the planner's one instance."""
+  on their training devices; with `shared`, all three on the planner's one instance.
+  Two queries fill every batch (per query 8 planner, 16 worker and 8 judge rows), in
+  two micro-batches each."""
   c = planner_workers_judge.get_config('runlocal')
   c.steps, c.checkpoint_every, c.schedule = steps, steps, schedule
   c.rollout.devices = 'shared'
-  for name in TEAM:
-    c.agents[name].model.lora = dict(rank=8, alpha=16.0)
-    c.agents[name].model.base_seed = 7
+  c.rollout.query_concurrency, c.rollout.max_step_queries = 2, 4
+  for name, rows in zip(TEAM, (16, 32, 16)):
+    a = c.agents[name]
+    a.model.lora = dict(rank=8, alpha=16.0)
+    a.model.base_seed = 7
+    a.global_batch, a.micro_batch = rows, rows // 2
+    a.optimizer.learning_rate = 3e-2
   if shared:
     c.rollout.adapter_groups = [list(TEAM)]
   return c
@@ -91,14 +97,21 @@ def test_sync_and_flexmarl_agree_on_a_shared_instance(tmp_path):
 
 
 def test_a_team_on_one_shared_instance_learns(tmp_path):
+  """test_lora's team of a LoRA solver and verifier, on one instance."""
   c = _lora_team(steps=15)
   c.rollout.adapter_groups = [['solver', 'verifier']]
   workdir = str(tmp_path / 'run')
   train(c, workdir, **QUIET)
   metrics = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-  for agent in ('solver', 'verifier'):
-    reward = [m['reward_mean'] for m in metrics if m.get('agent') == agent and 'reward_mean' in m]
-    assert np.mean(reward[-3:]) > np.mean(reward[:3]) + 0.2, (agent, reward)
+  of = lambda agent, key: [m[key] for m in metrics if m.get('agent') == agent and key in m]
+  # As on dedicated instances: the verifier's accuracy from near 0 to about 0.5 (far
+  # more than the noise of a 64-row batch); the solver's reward, from about 0.02, rises
+  # more slowly (about 0.07 over the second half).
+  accuracy = of('verifier', 'accuracy')
+  first, last = np.mean(accuracy[:3]), np.mean(accuracy[-3:])
+  assert first < 0.1 and last > first + 0.4, accuracy
+  reward = of('solver', 'reward_mean')
+  assert np.mean(reward[len(reward) // 2:]) > 2 * np.mean(reward[:3]), reward
   # rows sampled by the shared instance carry the trainer's own logprobs (on-policy)
   on_policy = [m['ratio_dev'] for m in metrics if m.get('staleness_max') == 0 and 'ratio_dev' in m]
   assert on_policy and max(on_policy) < 1e-4, on_policy
