@@ -144,10 +144,9 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
 
 def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[str]],
                    seed: int) -> dict[str, str]:
-  """Each agent of a `rollout.adapter_groups` group but its first, mapped to that
-  first agent, whose instances serve the group; a group that one
-  instance cannot serve (not LoRA agents of one base, or unlike models, meshes,
-  sampling or instances) refused."""
+  """Each agent of a `rollout.adapter_groups` group but its first, mapped to that first
+  agent, whose instances serve the group. A group one instance cannot serve (not LoRA
+  agents of one base, or unlike models, meshes, sampling or instances) is refused."""
   order = list(agents)
   seen: dict[str, int] = {}
   hosts = {}
@@ -163,7 +162,7 @@ def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[st
       if n in seen:
         fail(f, list(group), f'agent {n!r} is in group {seen[n]} too; list it in one group.')
       seen[n] = i
-    members = list(group)
+    members = list(group)  # the first is the host
     first = agents[members[0]]
     key = lambda n: bases.base_key(agents[n].model, agents[n].checkpoint, bases.base_seed(
         bases.agent_seed(seed, order.index(n)), agents[n].base_seed))
