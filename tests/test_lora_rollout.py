@@ -13,8 +13,8 @@ import pytest
 from experiments import planner_workers_judge
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.interfaces import Weights
-from flexmarl.metrics import spans
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.rollout.pool import Request
 from flexmarl.run import build, train
 from test_lora import _checkpoint, _lora_team
 
@@ -50,15 +50,26 @@ def _trained(params: dict, seed: int) -> dict:
                        if path[-1].key == 'lora_b' else x), jax.device_get(params))
 
 
+def _mixed_batch(instance, orchestrator, prompts: dict[str, list[int]]):
+  """One batch of `instance` with one group of 4 rows per agent of `prompts`: its rows
+  per agent, and each agent's version."""
+  requests = [Request(0, f'q-{agent}', 0, agent, ids, 4, 0, None, [])
+              for agent, ids in prompts.items()]
+  instance.queue.extend(requests)
+  instance.submit_next(orchestrator.engine._keys, orchestrator.engine.sampling['planner'],
+                       max_batch=64, now=0.0)
+  batch, out, versions = instance.collect(now=0.0)
+  rows = {r.agent: slice(4 * k, 4 * k + 4) for k, r in enumerate(batch)}
+  return ({a: (out.tokens[s], out.logprobs[s], out.lengths[s]) for a, s in rows.items()},
+          {r.agent: v for r, v in zip(batch, versions)})
+
+
 def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
-  served, batches = {}, {}
-  for shared in (False, True):
-    c = _three(2, shared)
-    # two groups a batch: an instance's next batch takes queued requests of queries at
-    # different stages, so the shared one mixes the agents' rows
-    c.rollout.max_batch = 16
-    orchestrator = build(c, str(tmp_path / f'shared{shared}'), **QUIET)
-    try:
+  served, built = {}, {}
+  try:
+    for shared in (False, True):
+      orchestrator = built[shared] = build(_three(2, shared), str(tmp_path / f'shared{shared}'),
+                                           **QUIET)
       # Each agent publishes its own adapter at its own version (planner 1, worker 2,
       # judge 3): a row's key and adapter are its agent's, whoever shares its batch.
       for k, name in enumerate(TEAM):
@@ -67,24 +78,31 @@ def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
       results = orchestrator.engine.run(orchestrator.workflow,
                                         [orchestrator.query(i) for i in range(5)])
       served[shared] = {(g.query_id, g.call): g for r in results for g in r.served}
-      batches[shared] = [s.args['agent'] for s in orchestrator.recorder.spans()
-                         if s.name == spans.GENERATE]
       assert len(orchestrator.engine.instances) == (1 if shared else 3)
-    finally:
+    # the rollout: every group as its agent's dedicated instance served it
+    assert served[True].keys() == served[False].keys()
+    assert {g.agent for g in served[True].values()} == set(TEAM)
+    for key, own in served[False].items():
+      group = served[True][key]
+      assert (group.agent, group.version) == (own.agent, TEAM.index(own.agent) + 1)
+      for x, y in zip(group.tokens, own.tokens, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=str(key))
+      for x, y in zip(group.logprobs, own.logprobs, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5, err_msg=str(key))
+    # one batch mixing all three agents' rows (the rollout's batches mix them only as
+    # timing allows): each agent's rows are its dedicated instance's
+    prompts = {'judge': [1, 5, 6], 'planner': [1, 7], 'worker': [1, 3, 4, 8]}
+    mixed, versions = _mixed_batch(built[True].engine.instances[0], built[True], prompts)
+    assert versions == {a: TEAM.index(a) + 1 for a in TEAM}
+    for agent in TEAM:
+      own, _ = _mixed_batch(built[False].agents[agent].pool.instances[0], built[False],
+                            {agent: prompts[agent]})
+      np.testing.assert_array_equal(mixed[agent][0], own[agent][0], err_msg=agent)
+      np.testing.assert_allclose(mixed[agent][1], own[agent][1], atol=1e-5, err_msg=agent)
+      np.testing.assert_array_equal(mixed[agent][2], own[agent][2], err_msg=agent)
+  finally:
+    for orchestrator in built.values():
       orchestrator.close()
-  assert served[True].keys() == served[False].keys()
-  assert {g.agent for g in served[True].values()} == set(TEAM)
-  for key, own in served[False].items():
-    group = served[True][key]
-    assert (group.agent, group.version) == (own.agent, TEAM.index(own.agent) + 1)
-    for x, y in zip(group.tokens, own.tokens, strict=True):
-      np.testing.assert_array_equal(x, y, err_msg=str(key))
-    for x, y in zip(group.logprobs, own.logprobs, strict=True):
-      np.testing.assert_allclose(x, y, atol=1e-5, err_msg=str(key))
-  # the shared instance did serve batches that mixed the agents' rows
-  assert any('+' in agents for agents in batches[True]), batches[True]
-
-
 def test_sync_and_flexmarl_agree_on_a_shared_instance(tmp_path):
   leaves = {}
   for schedule in ('sync', 'flexmarl'):
