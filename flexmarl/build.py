@@ -96,7 +96,8 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
   for group in placement.adapter_groups:
     make_shared = factories.shared_sampler(group, {n: trainers[n] for n in group})
     weights = {n: Weights(trainers[n].params, 0) for n in group}
-    shared[group] = [Instance(f'{"+".join(group)}/{j}', m.devices, make_shared(m.devices, weights))
+    shared[group] = [Instance(f'{"+".join(group)}/{j}', m.devices,
+                              make_shared(m.devices, weights))
                      for j, m in enumerate(placement.rollout[group[0]])]
   agents = {}
   for name, a in spec.agents.items():
@@ -228,10 +229,10 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
   worker would restart it). Agents that share instances keep theirs: the balancer
   neither takes one from them nor gives them one."""
   r = spec.rollout
-  pinned = lambda n, a: (Limits(a.instances, a.instances, a.mesh_shape)
+  limits = lambda n, a: (Limits(a.instances, a.instances, a.mesh_shape)  # pinned
                          if spec.placement.group_of(n)
                          else Limits(a.min_instances, a.max_instances, a.mesh_shape))
-  balancer = (Balancer({n: pinned(n, a) for n, a in spec.agents.items()},
+  balancer = (Balancer({n: limits(n, a) for n, a in spec.agents.items()},
                        r.balance_threshold, r.balance_cooldown_s)
               if r.balance and r.backend == 'embedded' and spec.cluster.backend == 'local'
               else None)

@@ -9,12 +9,16 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import planner_workers_judge
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.interfaces import Weights
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.rollout.pool import Request
+from flexmarl.models.lora import LoRAConfig
+from flexmarl.models.transformer import Decoder, ModelConfig
+from flexmarl.rollout.adapters import SharedAdapterSampler
+from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.run import build, train
 from test_lora import _checkpoint, _lora_team
 
@@ -103,6 +107,30 @@ def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
   finally:
     for orchestrator in built.values():
       orchestrator.close()
+def test_pools_count_their_own_load_and_keep_a_shared_instance():
+  """Two agents' pools hold one shared instance (and one a dedicated, busy one): each
+  pool's load is its own agent's requests; a publish moves only its agent's version;
+  the balancer's release never hands out the shared instance."""
+  cfg = ModelConfig(vocab_size=20, layers=1, lora=LoRAConfig(rank=4, alpha=8.0))
+  graphdef, state = nnx.split(Decoder(cfg, nnx.Rngs(params=0)))
+  params = nnx.to_pure_dict(state)
+  sampler = SharedAdapterSampler(graphdef, cfg.lora, {'a': Weights(params, 0),
+                                                      'b': Weights(params, 0)},
+                                 {'a': lambda p: p, 'b': lambda p: p}, max_prompt_len=4,
+                                 eos_id=2, pad_id=0)
+  shared = Instance('a+b/0', (0,), sampler)
+  busy = Instance('a/1', (1,), sampler)
+  busy.pending = object()  # a batch in flight
+  a, b = InstancePool('a', [shared, busy], None), InstancePool('b', [shared], None)
+  for agent, cost in (('a', 5), ('b', 7), ('b', 1)):
+    shared.queue.append(Request(0, 'q', 0, agent, [1], 1, cost, None, []))
+  assert (a.outstanding, b.outstanding, shared.outstanding) == (5, 8, 13)
+  b.publish(Weights(_trained(params, seed=0), 4))
+  assert (shared.version_of('a'), shared.version_of('b')) == (0, 4)
+  assert a.release() is None and b.release() is None
+  assert a.instances == [shared, busy]
+
+
 def test_sync_and_flexmarl_agree_on_a_shared_instance(tmp_path):
   leaves = {}
   for schedule in ('sync', 'flexmarl'):
