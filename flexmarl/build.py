@@ -27,6 +27,7 @@ from flexmarl.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.models import hf, peft, sharding
 from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.rollout.adapters import SharedAdapterSampler
 from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool
@@ -44,6 +45,8 @@ from flexmarl.train.trainer import AgentTrainer
 
 # (devices, weights) -> a sampler of one agent's model on those devices serving them.
 MakeSampler = Callable[[tuple[int, ...], Weights], Sampler]
+# (devices, each agent's weights) -> one sampler serving a group's adapters there.
+MakeShared = Callable[[tuple[int, ...], Mapping[str, Weights]], SharedAdapterSampler]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Factories:
   training_pool(trainers, meshes): the engine that binds trainers to the pool's meshes
     (None: the backend runs no training pool).
   timeline(name): the span track of the agent's training devices (None: none).
+  shared_sampler(names, trainers): the `MakeShared` of a `rollout.adapter_groups` group
+    (None: the backend gives every agent instances of its own).
   """
 
   trainer: Callable[[str, AgentSpec, int, placement_lib.MeshPlacement | None], Trainer]
@@ -65,6 +70,7 @@ class Factories:
   training_pool: Callable[[Mapping[str, Trainer], Sequence[placement_lib.MeshPlacement]],
                           TrainingEngine] | None = None
   timeline: Callable[[str], Timeline | None] = lambda name: None
+  shared_sampler: Callable[[Sequence[str], Mapping[str, Trainer]], MakeShared] | None = None
 
 
 def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Factories,
@@ -81,13 +87,26 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
   trainers = {name: factories.trainer(name, a, i, None if placement.pool
                                       else placement.train[name])
               for i, (name, a) in enumerate(spec.agents.items())}
+  if placement.adapter_groups and factories.shared_sampler is None:
+    raise ValueError(f'the placement shares instances between adapters '
+                     f'{[list(g) for g in placement.adapter_groups]}, but this backend gives '
+                     'every agent instances of its own: set config.rollout.adapter_groups=[].')
   engine = factories.training_pool(trainers, placement.pool) if placement.pool else None
+  shared = {}  # each group's instances, made with its first agent
+  for group in placement.adapter_groups:
+    make_shared = factories.shared_sampler(group, {n: trainers[n] for n in group})
+    weights = {n: Weights(trainers[n].params, 0) for n in group}
+    shared[group] = [Instance(f'{"+".join(group)}/{j}', m.devices,
+                              make_shared(m.devices, weights))
+                     for j, m in enumerate(placement.rollout[group[0]])]
   agents = {}
   for name, a in spec.agents.items():
     make = factories.sampler(name, a, trainers[name])
     weights = Weights(trainers[name].params, 0)
-    instances = [Instance(f'{name}/{j}', m.devices, make(m.devices, weights))
-                 for j, m in enumerate(placement.rollout[name])]
+    group = placement.group_of(name)
+    instances = (list(shared[group]) if group else
+                 [Instance(f'{name}/{j}', m.devices, make(m.devices, weights))
+                  for j, m in enumerate(placement.rollout[name])])
     pool = InstancePool(name, instances, make, weights,
                         sticky=spec.rollout.sticky_conversations)
     agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
@@ -171,6 +190,23 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
                              place=place, generate_fn=generate_fn)
     return make
 
+  def shared_sampler(names: Sequence[str], trainers: Mapping[str, AgentTrainer]) -> MakeShared:
+    """One embedded sampler of a group's adapters over their base (one copy per
+    instance's device group, the one their trainers share there)."""
+    a, first = spec.agents[names[0]], trainers[names[0]]
+    tokenizer = tokenizers[names[0]]
+    generate_fn = compiled.setdefault(a.model, compile_generate(first.graphdef))
+
+    def make(devices: tuple[int, ...], weights: Mapping[str, Weights]) -> SharedAdapterSampler:
+      mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
+      return SharedAdapterSampler(
+          first.graphdef, a.model.lora, weights,
+          {n: functools.partial(trainers[n].place, mesh=mesh) for n in names},
+          max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+          pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
+          batch_multiple=first.batch_multiple, generate_fn=generate_fn)
+    return make
+
   def training_pool(trainers: Mapping[str, AgentTrainer],
                     meshes: Sequence[placement_lib.MeshPlacement]) -> TrainingEngine:
     return TrainingEngine(
@@ -181,7 +217,8 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
         clock=recorder.clock)
 
   return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
-                   training_pool, lambda name: Timeline(recorder, f'train:{name}'))
+                   training_pool, lambda name: Timeline(recorder, f'train:{name}'),
+                   shared_sampler)
 
 
 def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
@@ -189,10 +226,13 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
                    recorder: spans.SpanRecorder | None) -> RolloutEngine:
   """The team's rollout engine over the agents' instance pools, with the balancer when
   it is on (embedded instances in this process only: moving a vLLM instance or a Ray
-  worker would restart it)."""
+  worker would restart it). Agents that share instances keep theirs: the balancer
+  neither takes one from them nor gives them one."""
   r = spec.rollout
-  balancer = (Balancer({n: Limits(a.min_instances, a.max_instances, a.mesh_shape)
-                        for n, a in spec.agents.items()},
+  limits = lambda n, a: (Limits(a.instances, a.instances, a.mesh_shape)  # pinned
+                         if spec.placement.group_of(n)
+                         else Limits(a.min_instances, a.max_instances, a.mesh_shape))
+  balancer = (Balancer({n: limits(n, a) for n, a in spec.agents.items()},
                        r.balance_threshold, r.balance_cooldown_s)
               if r.balance and r.backend == 'embedded' and spec.cluster.backend == 'local'
               else None)

@@ -23,7 +23,7 @@ from flexmarl.data.records import parse_sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.rollout import vllm_check
 from flexmarl.rollout.spec import RolloutSpec, engine_config, rollout_config
-from flexmarl.train import sizing
+from flexmarl.train import bases, sizing
 from flexmarl.train.spec import TrainingSpec, training_config
 from flexmarl.validate import check_finite, fail, whole_number
 
@@ -142,6 +142,55 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
            f'{max_prompt_len + a.sampling.max_new_tokens}.')
 
 
+def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[str]],
+                   seed: int) -> dict[str, str]:
+  """Each agent of a `rollout.adapter_groups` group but its first, mapped to that first
+  agent, whose instances serve the group. A group one instance cannot serve (not LoRA
+  agents of one base, or unlike models, meshes, sampling or instances) is refused."""
+  order = list(agents)
+  seen: dict[str, int] = {}
+  hosts = {}
+  for i, group in enumerate(groups):
+    f = f'rollout.adapter_groups[{i}]'
+    unknown = [n for n in group if n not in agents]
+    if unknown:
+      fail(f, list(group), f'agents {unknown} are not in config.agents ({order}).')
+    if len(group) < 2 or len(set(group)) != len(group):
+      fail(f, list(group), 'give two or more distinct agents (an agent alone has its own '
+           'instances already).')
+    for n in group:
+      if n in seen:
+        fail(f, list(group), f'agent {n!r} is in group {seen[n]} too; list it in one group.')
+      seen[n] = i
+    members = list(group)  # the first is the host
+    first = agents[members[0]]
+    key = lambda n: bases.base_key(agents[n].model, agents[n].checkpoint, bases.base_seed(
+        bases.agent_seed(seed, order.index(n)), agents[n].base_seed))
+    for n in members:
+      a = agents[n]
+      if not a.model.lora.rank:
+        fail(f'agents.{n}.model.lora.rank', 0, f'{f} serves LoRA adapters over one base; '
+             f'give {n} a lora (rank > 0), or take it out of the group.')
+    for n in members[1:]:
+      a, why = agents[n], ''
+      if a.model != first.model:
+        why = f'model: {a.model} vs {first.model}'
+      elif key(n) != key(members[0]):
+        why = ('base: ' + ('the same model.checkpoint' if a.checkpoint or first.checkpoint
+                           else 'the same model.base_seed (-1 draws each agent its own base)'))
+      elif (a.mesh_shape, a.mesh_axes) != (first.mesh_shape, first.mesh_axes):
+        why = f'mesh_shape: {a.mesh_shape} vs {first.mesh_shape}'
+      elif a.sampling != first.sampling:
+        why = f'sampling: {a.sampling} vs {first.sampling}'
+      elif (a.instances, a.instance_devices) != (first.instances, first.instance_devices):
+        why = 'rollout.instances and rollout.devices'
+      if why:
+        fail(f, list(group), f'one instance serves agents {members[0]!r} and {n!r} only if '
+             f'they have the same {why}; make them alike, or put them in different groups.')
+      hosts[n] = members[0]
+  return hosts
+
+
 def _check_pool_fits(training: TrainingSpec, agents: Mapping[str, AgentSpec]) -> None:
   """Each agent's mesh, and its state in the host budget, fit the training pool."""
   if not training.pool_devices:
@@ -175,6 +224,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   vocab = _vocab(config, vocab_size)
   agents = {n: AgentSpec.from_config(n, a, vocab[n]) for n, a in config.agents.items()}
   rollout = RolloutSpec.from_config(config.rollout)
+  hosts = _adapter_hosts(agents, rollout.adapter_groups, config.seed)
   if rollout.backend == 'vllm':
     _check_vllm_serves(agents, rollout, config.max_prompt_len)
   training = TrainingSpec.from_config(config.get('training'))
@@ -185,7 +235,8 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
          "'strict' (refuse a config that needs more devices than there are).")
   placement = placement_fit.fit(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
-                                    a.instance_devices) for n, a in agents.items()},
+                                    a.instance_devices, hosts.get(n, ''))
+       for n, a in agents.items()},
       rollout.devices, device_ids, training.pool_devices, list(training.mesh_shapes),
       strict=policy == 'strict', state_bytes=lambda: _state_bytes(agents),
       no_pool=('agents that start from model.checkpoint cannot share a training pool yet'
@@ -209,6 +260,10 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
          'meshes shared by the agents); under Ray every agent trains on a mesh of its own: give '
          'the run enough devices (config.cluster.devices), set config.training.pool_devices=0, '
          'or use --config.cluster.backend=local.')
+  if cluster.backend == 'ray' and rollout.adapter_groups:
+    fail('rollout.adapter_groups', [list(g) for g in rollout.adapter_groups],
+         'shared adapter instances run in one process only; under Ray every agent has '
+         'instances of its own: set rollout.adapter_groups=[] or --config.cluster.backend=local.')
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,

@@ -16,6 +16,12 @@ devices outside the pool. It is checked
 before anything compiles, printed at start-up, saved as `WORKDIR/placement.json`
 and compared on resume. Devices are named by their `jax.Device.id`.
 
+LoRA agents of one base may share their rollout instances (`rollout.adapter_groups`):
+the group's first agent is placed as any agent is, and every other agent of the
+group is served by those same instances, each holding the base once and
+every agent's adapter (`adapter_groups` names the groups; an agent's `serves_with`
+names its group's first agent).
+
 When the devices are too few for the layout the config asks for and the config places
 nothing explicitly, `fit` fits the team to the devices there are: rollout instances
 move onto training devices (`rollout.devices=shared`), then, if the agents' own meshes
@@ -52,6 +58,7 @@ class AgentDemand:
   instances: int = 1
   train_devices: tuple[int, ...] = ()
   instance_devices: tuple[tuple[int, ...], ...] = ()
+  serves_with: str = ''  # the agent whose instances serve this one's adapter ('': its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +86,21 @@ class Placement:
   rollout: Mapping[str, tuple[MeshPlacement, ...]]  # per agent, its instances
   pool: tuple[MeshPlacement, ...] = ()  # the training pool's meshes (train devices: ())
   fitted: Fit | None = None  # None: the layout the config asks for
+  # agents whose adapters share instances: the first agent's, the others after it in
+  # config order (in `rollout`, every agent of a group lists the same instances)
+  adapter_groups: tuple[tuple[str, ...], ...] = ()
 
   def to_dict(self) -> dict:
     mesh = lambda m: {'devices': list(m.devices), 'shape': list(m.shape)}
     return {'mode': self.mode, 'train': {a: mesh(m) for a, m in self.train.items()},
             'rollout': {a: [mesh(m) for m in ms] for a, ms in self.rollout.items()},
             'pool': [mesh(m) for m in self.pool],
-            'fitted': self.fitted.to_dict() if self.fitted else None}
+            'fitted': self.fitted.to_dict() if self.fitted else None,
+            'adapter_groups': [list(g) for g in self.adapter_groups]}
+
+  def group_of(self, agent: str) -> tuple[str, ...]:
+    """The agents whose adapters share `agent`'s instances (() : it has its own)."""
+    return next((g for g in self.adapter_groups if agent in g), ())
 
   @classmethod
   def from_dict(cls, d: Mapping) -> Placement:
@@ -94,7 +109,8 @@ class Placement:
     return cls(d['mode'], {a: mesh(m) for a, m in d['train'].items()},
                {a: tuple(mesh(m) for m in ms) for a, ms in d['rollout'].items()},
                tuple(mesh(m) for m in d.get('pool', ())),
-               Fit.from_dict(fitted) if fitted else None)
+               Fit.from_dict(fitted) if fitted else None,
+               tuple(tuple(g) for g in d.get('adapter_groups', ())))
 
   def describe(self) -> str:
     lines = []
@@ -111,7 +127,9 @@ class Placement:
     for agent, m in self.train.items():
       inst = ', '.join(str(list(i.devices)) for i in self.rollout[agent])
       train = list(m.devices) if m.devices else 'pool'
-      lines.append(f'  {agent:<12} train {train} mesh {m.shape}  rollout {inst}')
+      group = self.group_of(agent)
+      shared = f' (one adapter of {", ".join(group)} on each)' if group else ''
+      lines.append(f'  {agent:<12} train {train} mesh {m.shape}  rollout {inst}{shared}')
     return '\n'.join(lines)
 
 
@@ -121,8 +139,8 @@ def size(shape: Sequence[int]) -> int:
 
 def devices_needed(demands: Mapping[str, AgentDemand], mode: str) -> int:
   """Devices a derived layout without a pool takes: every agent's mesh, and with
-  `separate` a mesh's worth per rollout instance."""
-  return sum(size(a.mesh_shape) * (1 + (mode == 'separate') * a.instances)
+  `separate` a mesh's worth per rollout instance (a shared instance counted once)."""
+  return sum(size(a.mesh_shape) * (1 + (mode == 'separate' and not a.serves_with) * a.instances)
              for a in demands.values())
 
 
@@ -218,6 +236,8 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
   rank = {n: [m for m in demands if demands[m].mesh_shape == a.mesh_shape].index(n)
           for n, a in demands.items()}  # the agent's index among agents of its shape
   for name, a in demands.items():
+    if a.serves_with:  # after the loop: its group's first agent's instances
+      continue
     field = f'agents.{name}.rollout'
     if a.instances < 1:
       raise ConfigError(f'config.{field}.instances={a.instances}: every agent needs at least '
@@ -238,7 +258,17 @@ def derive(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[i
         devs = train[name].devices
       insts.append(MeshPlacement(devs, tuple(a.mesh_shape)))
     rollout[name] = tuple(insts)
-  placement = Placement(mode, train, rollout, tuple(pool))
+  groups: dict[str, list[str]] = {}
+  for name, a in demands.items():
+    if a.serves_with:
+      if demands.get(a.serves_with, a).serves_with != '':
+        raise ConfigError(f'config.rollout.adapter_groups: agent {name!r} is to be served with '
+                          f'{a.serves_with!r}, which is not the first agent of a group; list '
+                          'each agent in one group only.')
+      rollout[name] = rollout[a.serves_with]
+      groups.setdefault(a.serves_with, [a.serves_with]).append(name)
+  placement = Placement(mode, train, rollout, tuple(pool),
+                        adapter_groups=tuple(tuple(g) for g in groups.values()))
   check(placement)
   return placement
 
@@ -261,7 +291,10 @@ def check(p: Placement) -> None:
     claim(m.devices, f'training.pool[{i}]', 'the pool takes the first free devices: pick '
           'explicit devices elsewhere, or shrink training.pool_devices.')
   if p.mode == 'separate':
+    served_with = {n for g in p.adapter_groups for n in g[1:]}  # their group's instances
     for name, insts in p.rollout.items():
+      if name in served_with:
+        continue
       for i, m in enumerate(insts):
         claim(m.devices, f'agents.{name}.rollout.devices[{i}]',
               'with rollout.devices=separate every instance needs devices no trainer or other '

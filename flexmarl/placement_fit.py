@@ -39,7 +39,7 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
   costs = []
   if mode == 'separate':
     changes['rollout.devices'] = 'shared'
-    costs.append(f'rollout.devices=shared: the {sum(a.instances for a in demands.values())} '
+    costs.append(f'rollout.devices=shared: the {sum(a.instances for a in demands.values() if not a.serves_with)} '
                  "rollout instances run on training devices, so an agent's sampling and "
                  'gradient work queue on one device instead of overlapping.')
   if sum(map(size, shapes)) > n:

@@ -136,7 +136,8 @@ class RolloutEngine:
 
   @property
   def instances(self) -> list[Instance]:
-    return [i for p in self.pools.values() for i in p.instances]
+    """Every instance once (one serving several agents' adapters is in each one's pool)."""
+    return list({id(i): i for p in self.pools.values() for i in p.instances}.values())
 
   def run(self, workflow: Workflow, queries: Sequence[Query], first_index: int = 0
           ) -> list[EpisodeResult]:
@@ -272,13 +273,14 @@ class RolloutEngine:
   def _answer(self, inst: Instance) -> None:
     """Record the finished batch's groups and answer their workflows."""
     now = self.clock.now()
-    batch, out, version = inst.collect(now)
+    batch, out, versions = inst.collect(now)
     if self.recorder is not None:
       self.recorder.add(f'rollout:{inst.name}', GENERATE, inst.started, now,
-                        agent=batch[0].agent, version=version, rows=int(len(out.lengths)),
+                        agent='+'.join(dict.fromkeys(r.agent for r in batch)),
+                        version=max(versions), rows=int(len(out.lengths)),
                         tokens=int(out.lengths.sum()))
     row = 0
-    for r in batch:
+    for r, version in zip(batch, versions):
       rows = range(row, row + r.n)
       row += r.n
       if r.future.done():  # its query was abandoned

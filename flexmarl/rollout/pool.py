@@ -6,6 +6,10 @@ holds an agent's instances and the weights they serve; it routes each request to
 the instance with the least outstanding work, counted in tokens (prompt + n ×
 max_new_tokens), optionally keeping a conversation's calls on one instance. The
 routing decision is a pure function (`least_loaded`).
+
+An instance may serve several LoRA agents of one base (a `SharedAdapterSampler`): it
+is then in each of their pools, its queue mixes their requests, each agent publishes
+into its own adapter slot, and each request is sampled at its own agent's version.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from flexmarl.interfaces import Weights
 from flexmarl.data.records import ServedGroup, sample_id
+from flexmarl.rollout.adapters import SharedAdapterSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 
 
@@ -57,14 +62,15 @@ def least_loaded(outstanding: Sequence[int]) -> int:
 class Instance:
   """One sampler on its devices: a queue and at most one batch in flight."""
 
-  def __init__(self, name: str, devices: tuple[int, ...], sampler: Sampler):
+  def __init__(self, name: str, devices: tuple[int, ...],
+               sampler: Sampler | SharedAdapterSampler):
     """`name`: the instance's slot (its first agent and index); it keeps it when it
     moves to another agent."""
     self.name, self.devices, self.sampler = name, devices, sampler
     self.queue: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.pending: PendingSamples | None = None
-    self.version = -1
+    self.versions: list[int] = []  # the running batch's, one per request
     self.started = 0.0
     # (start, end) of its last RECENT batches; (agent, seconds queued) of the requests
     # they started
@@ -74,6 +80,27 @@ class Instance:
   @property
   def outstanding(self) -> int:
     return sum(r.cost for r in self.queue) + sum(r.cost for r in self.running)
+
+  def outstanding_of(self, agent: str) -> int:
+    """The tokens `agent`'s requests occupy here (all of them, but on a shared instance)."""
+    return sum(r.cost for r in (*self.queue, *self.running) if r.agent == agent)
+
+  @property
+  def shared(self) -> bool:
+    """Does it serve several agents' adapters?"""
+    return isinstance(self.sampler, SharedAdapterSampler)
+
+  def version_of(self, agent: str) -> int:
+    """The version `agent`'s next rows here are sampled with."""
+    return self.sampler.version_of(agent) if self.shared else self.sampler.version
+
+  def serve(self, agent: str, weights: Weights) -> None:
+    """Serve `agent`'s `weights` from the next batch on (on a shared instance, in its
+    adapter slot only)."""
+    if self.shared:
+      self.sampler.update_adapter(agent, weights.params, weights.version)
+    else:
+      self.sampler.update_weights(weights.params, weights.version)
 
   @property
   def idle(self) -> bool:
@@ -90,21 +117,26 @@ class Instance:
     while self.queue and rows + self.queue[0].n <= max_batch:
       rows += self.queue[0].n
       batch.append(self.queue.popleft())
-    self.version = self.sampler.version
+    self.versions = [self.version_of(r.agent) for r in batch]
     prompts = [r.prompt_ids for r in batch for _ in range(r.n)]
-    all_keys = np.concatenate([keys(r, self.version) for r in batch])
+    all_keys = np.concatenate([keys(r, v) for r, v in zip(batch, self.versions)])
     limits = np.array([r.max_new_tokens or sampling.max_new_tokens
                        for r in batch for _ in range(r.n)], np.int32)
     self.running, self.started = batch, now
     self.waits.extend((r.agent, now - r.enqueued) for r in batch)
-    self.pending = self.sampler.submit(prompts, all_keys, sampling, limits=limits)
+    if self.shared:
+      self.pending = self.sampler.submit(prompts, all_keys, sampling,
+                                         [r.agent for r in batch for _ in range(r.n)], limits)
+    else:
+      self.pending = self.sampler.submit(prompts, all_keys, sampling, limits=limits)
 
-  def collect(self, now: float) -> tuple[list[Request], SampleBatch, int]:
-    """The finished batch: its requests, the samples (rows in request order), version."""
+  def collect(self, now: float) -> tuple[list[Request], SampleBatch, list[int]]:
+    """The finished batch: its requests, the samples (rows in request order), and the
+    version each request was sampled with."""
     out = self.pending.result()
     batch, self.running, self.pending = self.running, [], None
     self.busy.append((self.started, now))
-    return batch, out, self.version
+    return batch, out, self.versions
 
 
 class InstancePool:
@@ -122,13 +154,15 @@ class InstancePool:
 
   @property
   def outstanding(self) -> int:
-    return sum(i.outstanding for i in self.instances)
+    """Tokens of this agent's requests on its instances (not those of agents it shares
+    an instance with)."""
+    return sum(i.outstanding_of(self.agent) for i in self.instances)
 
   def publish(self, weights: Weights) -> None:
     """Every instance serves `weights` from its next batch on."""
     self.weights = weights
     for inst in self.instances:
-      inst.sampler.update_weights(weights.params, weights.version)
+      inst.serve(self.agent, weights)
 
   def route(self, request: Request) -> Instance:
     """Queue `request` on the least-loaded instance (or its conversation's, if sticky)."""
@@ -145,8 +179,8 @@ class InstancePool:
 
   def release(self) -> Instance | None:
     """Take out an instance for another agent: an idle one, else None (try later).
-    Never the last one."""
-    idle = [i for i in self.instances if i.pending is None]
+    Never the last one, nor one it shares with other agents."""
+    idle = [i for i in self.instances if i.pending is None and not i.shared]
     if len(self.instances) < 2 or not idle:
       return None
     inst = min(idle, key=lambda i: i.outstanding)

@@ -84,6 +84,12 @@ class RolloutSpec:
     once per `balance_cooldown_s`.
   - sticky_conversations: keep a query's turns on one instance (for prefix caches).
   - query_timeout_s: a query running longer is an error naming it (0: no limit).
+  - adapter_groups: groups of LoRA agents of one base whose adapters share rollout
+    instances, e.g. (('router', 'math', 'code'),): each instance of the group's first
+    agent holds the base once and every agent's adapter, and samples each row with its
+    own agent's adapter and version. The agents of a group have the same model (and
+    lora), base, mesh shape, sampling and rollout.instances; they keep their instances
+    (the balancer moves none of them). Embedded backend, one process only.
   """
 
   backend: str = 'embedded'
@@ -96,6 +102,7 @@ class RolloutSpec:
   balance_cooldown_s: float = 0.5
   sticky_conversations: bool = False
   query_timeout_s: float = 0.0
+  adapter_groups: tuple[tuple[str, ...], ...] = ()
   vllm: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -121,7 +128,17 @@ class RolloutSpec:
              'must be >= 1 (a load ratio; the paper uses 5).')
     for key in ('balance_cooldown_s', 'query_timeout_s'):
       in_range(f'{field}.{key}', getattr(r, key), 0, float('inf'), 'must be >= 0 seconds.')
-    return r
+    groups = r.adapter_groups
+    if not isinstance(groups, (list, tuple)) or not all(
+        isinstance(g, (list, tuple)) and all(isinstance(n, str) for n in g) for g in groups):
+      fail(f'{field}.adapter_groups', groups, "give a list of groups of agent names, e.g. "
+           "[['router', 'math', 'code']].")
+    groups = tuple(tuple(g) for g in groups)
+    if groups and r.backend != 'embedded':
+      fail(f'{field}.adapter_groups', groups, f'shared adapter instances run on the embedded '
+           f'sampler only (rollout.backend={r.backend!r}); set rollout.backend=embedded, or '
+           'adapter_groups=[] (one instance per agent).')
+    return dataclasses.replace(r, adapter_groups=groups)
 
 
 def rollout_config(**overrides: Any) -> ml_collections.ConfigDict:
