@@ -173,16 +173,15 @@ class Agent:
     weights wait for `publish`. Returns a function that waits and gives the stats.
 
     Each row's staleness (versions between the one that sampled it and the parameters
-    it updates) is measured here, where the update happens. A solved batch without
-    advantage signal takes no optimizer step (`grpo.takes_step`)."""
+    it updates) is measured here, where the update happens. A batch without advantage
+    signal takes no optimizer step (`grpo.takes_step`)."""
     t0 = self.clock.now()
     lags = np.array([self.version - g.served.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
       self.accumulate(micro)
     version = self.version
     dispatched = []
-    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch],
-                                 [g.correct for g in batch])
+    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch])
 
     def step() -> None:
       dispatched.append(self.trainer.dispatch_apply(takes_step))

@@ -127,3 +127,19 @@ def test_bad_or_retired_entropy_fields_are_refused_naming_the_field():
   off = GRPOConfig.from_config('agents.a.grpo', {'entropy_by_error': False,
                                                  'entropy_decay_steps': 100}, 1.0, 2)
   assert off.entropy_decay_steps == 100 and not off.entropy_by_error
+
+
+def test_learning_rate_warms_up_then_follows_its_schedule():
+  from flexmarl.train.optimizer import learning_rate
+  warm = learning_rate(OptimizerConfig(learning_rate=4e-3, warmup_steps=4))
+  np.testing.assert_allclose([warm(i) for i in range(6)], [1e-3, 2e-3, 3e-3, 4e-3, 4e-3, 4e-3],
+                             rtol=1e-6)
+  both = learning_rate(OptimizerConfig(learning_rate=4e-3, warmup_steps=2, decay_steps=10,
+                                       final_lr_fraction=0.1))
+  assert float(both(1)) == pytest.approx(4e-3)  # warmed up ...
+  assert float(both(2)) == pytest.approx(4e-3)  # ... then the cosine starts at its top
+  assert float(both(12)) == pytest.approx(4e-4)  # and ends at final_lr_fraction
+  assert learning_rate(OptimizerConfig(learning_rate=4e-3)) == 4e-3  # constant: no schedule
+  with pytest.raises(ConfigError, match='agents.a.optimizer.warmup_steps'):
+    OptimizerConfig.from_config('agents.a.optimizer', {'warmup_steps': -1})
+

@@ -1,5 +1,5 @@
-"""Long runs: a solved agent stays solved (no optimizer step from a solved batch
-without advantage signal), and what a run keeps (trace, per-step containers) stays
+"""Long runs: a solved agent stays solved (no optimizer step from a batch without
+advantage signal), and what a run keeps (trace, per-step containers) stays
 bounded."""
 
 import concurrent.futures
@@ -115,13 +115,11 @@ def test_a_skipped_step_leaves_params_and_adam_state_unchanged():
 def test_the_step_decision_by_hand():
   on, off = grpo.GRPOConfig(), grpo.GRPOConfig(skip_without_signal=False)
   assert on.skip_without_signal  # the default
-  zero, right, wrong = np.zeros(4), np.ones(4), np.zeros(4)
+  zero = np.zeros(4)
   spread = np.array([0.5, -0.5, 0.5, -0.5])
-  assert not grpo.takes_step(on, [zero, zero], [right, right])  # solved, no signal: skip
-  assert grpo.takes_step(on, [zero, spread], [right, right])  # a row with signal
-  assert grpo.takes_step(on, [zero, zero], [right, wrong])  # all wrong: the bonus explores
-  assert grpo.takes_step(on, [zero], [np.full(4, np.nan)])  # correctness unknown
-  assert grpo.takes_step(off, [zero, zero], [right, right])
+  assert not grpo.takes_step(on, [zero, zero])  # no signal, right or wrong: skip
+  assert grpo.takes_step(on, [zero, spread])  # a group with signal
+  assert grpo.takes_step(off, [zero, zero])
 
 
 def test_a_long_trace_keeps_a_window_of_recent_steps_and_stays_valid(tmp_path):
@@ -195,7 +193,7 @@ def test_the_training_pool_keeps_only_its_recent_swaps(monkeypatch):
   assert engine.step_stats('a')['swaps'] == 20  # the per-step sums still count every swap
 
 
-def test_an_agent_skips_the_step_of_a_solved_batch_and_still_advances_its_version():
+def test_an_agent_skips_the_step_of_a_batch_without_signal_and_still_advances_its_version():
   spec = AgentSpec.from_config('a', agent_config('tiny', group_size=4, global_batch=8,
                                                  micro_batch=8), 20)
   trainer = _trainer(0.1)
@@ -217,14 +215,19 @@ def test_an_agent_skips_the_step_of_a_solved_batch_and_still_advances_its_versio
   solved = groups(1.0, [1.0] * 4)
   assert agent.update(solved, [solved])()['skipped_update'] == 1.0 and agent.version == 1
   assert _max_move(before, _host(trainer.params)) == 0.0
-  wrong = groups(0.0, [0.0] * 4)  # all wrong: the entropy bonus still steps
-  assert agent.update(wrong, [wrong])()['skipped_update'] == 0.0 and agent.version == 2
+  stuck = groups(0.0, [0.0] * 4)  # all wrong and alike: no signal either, skipped
+  assert agent.update(stuck, [stuck])()['skipped_update'] == 1.0 and agent.version == 2
+  assert _max_move(before, _host(trainer.params)) == 0.0
+  mixed = groups(0.5, [1.0, 0.0, 1.0, 0.0])  # a signal: a step
+  assert agent.update(mixed, [mixed])()['skipped_update'] == 0.0 and agent.version == 3
   assert _max_move(before, _host(trainer.params)) > 0.5 * LR
 
 
 def test_a_run_from_before_these_fields_resumes_with_them():
   old = {'steps': 10, 'agents': {'a': {'grpo': {'entropy_coef': 0.1}}}}
   new = {'steps': 10, 'trace_steps': 1000,
-         'agents': {'a': {'grpo': {'entropy_coef': 0.1, 'skip_without_signal': True}}}}
+         'agents': {'a': {'grpo': {'entropy_coef': 0.1, 'skip_without_signal': True,
+                                   'entropy_by_error': True}}}}
   refused, harmless = workdir.diff_configs(old, new)
-  assert not refused and set(harmless) == {'trace_steps', 'agents.a.grpo.skip_without_signal'}
+  assert not refused and set(harmless) == {'trace_steps', 'agents.a.grpo.skip_without_signal',
+                                           'agents.a.grpo.entropy_by_error'}

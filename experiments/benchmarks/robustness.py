@@ -16,9 +16,11 @@ Shapes, each an existing experiment with its per-team tuning removed:
 
 Per agent: the best constant answer's exact-match rate, the accuracy at the end (mean
 over the last 5% of its updates), the first step where a 10-update mean passes 0.9,
-the policy entropy at the end (same window), the entropy coefficient at the end, stall
-warnings and intervention lines. `--quick`: one seed, short runs (a smoke test of the
-suite, not a verdict). The last line is JSON.
+the policy entropy at the end (same window), the entropy bonus at the end (its mean
+per token after the error weights), stall warnings and intervention lines. `--quick`:
+one seed, short runs (a smoke test of the suite, not a verdict). `--grpo` / `--optimizer`
+try a candidate default on every agent; `--keep=DIR` keeps each run's folder. The last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def agent_report(lines: list[dict], agent: str) -> dict:
       updates=len(mine), end_accuracy=float(np.nanmean(acc[-end:])),
       first_pass_step=int(mine[passed[0] + PASS_WINDOW - 1]['step']) if passed.size else None,
       end_entropy=float(np.mean([l['entropy'] for l in mine[-end:]])),
-      end_entropy_coef=float(np.mean([l.get('entropy_coef', math.nan) for l in mine[-end:]])))
+      end_entropy_bonus=float(np.mean([l.get('entropy_bonus', math.nan) for l in mine[-end:]])))
 
 
 def report(workdir: str, constants: dict[str, float], log_lines: list[str]) -> dict:
@@ -153,12 +155,12 @@ def _row(shape: str, seed, agent: str, r: dict) -> str:
     return '–' if x is None or math.isnan(x) else f'{x:.2g}'
   return (f"| {shape} | {seed} | {agent} | {f(r.get('best_constant'))} | "
           f"{f(r.get('end_accuracy'))} | {f(r.get('first_pass_step'))} | "
-          f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_coef'))} | "
+          f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_bonus'))} | "
           f"{r.get('stall_warnings', '–')} | {r.get('interventions', '–')} |")
 
 
 HEADER = ('| shape | seed | agent | best constant | end accuracy | first ≥0.9 | end entropy '
-          '| end coef | stall warnings | interventions |\n' + '|---' * 10 + '|')
+          '| end bonus | stall warnings | interventions |\n' + '|---' * 10 + '|')
 
 
 def main(argv):

@@ -22,8 +22,8 @@ Options from the field, all per agent:
   how much of its group is wrong (`entropy_weights`, `entropy_by_error`): it keeps an
   agent exploring where it is still wrong and fades where it is right. It can also be
   annealed to 0 over a number of updates (`entropy_decay_steps`).
-- No optimizer step from a solved batch without advantage signal
-  (`skip_without_signal`, on by default; `takes_step`).
+- No optimizer step from a batch without advantage signal (`skip_without_signal`, on
+  by default; `takes_step`).
 """
 
 from __future__ import annotations
@@ -91,26 +91,27 @@ def entropy_weights(cfg: GRPOConfig, correct: Sequence[np.ndarray]) -> np.ndarra
   return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
 
-def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
-               correct: Sequence[np.ndarray]) -> bool:
-  """Whether a global batch gets an optimizer step, from its groups' advantages and
-  correctness (1.0 / 0.0 per row, NaN where the workflow did not say).
+def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray]) -> bool:
+  """Whether a global batch gets an optimizer step, from its groups' advantages.
 
   A batch whose groups all had equal rewards has zero advantages; what is left of its
   gradient is the entropy bonus (and the KL term). Adam divides by the gradient's own
   scale, so that remainder, however small, still moves every parameter by about a
   learning rate (measured: the same step for entropy_coef 0.1 and 1e-6), and Adam's
-  momentum moves them on even at a zero gradient. A solved policy, all of whose groups
-  agree, then drifts until an answer flips, and once the wrong answer is certain the
-  groups agree again and GRPO cannot correct it. So a batch without signal whose rows
-  are all correct is skipped (no moment update, no parameter change; the agent's
-  version still advances). One with a wrong row still steps: there the entropy bonus is
-  what makes the policy explore again.
+  momentum moves them on even at a zero gradient. Measured, both ways it goes wrong:
+  - all right: a solved policy drifts until an answer flips, and once the wrong answer
+    is certain the groups agree again and GRPO cannot correct it;
+  - some wrong: the bonus on a few stuck rows, blown up to a full step, pushes the
+    whole policy toward randomness, which makes more rows wrong and raises the bonus
+    (a y/n verifier driven to uniform answers over the vocabulary; a sorter that had
+    reached 0.88 unlearning to 0.5).
+  So such a batch is skipped (no moment update, no parameter change; the agent's
+  version still advances). The bonus acts through batches that have a signal: there
+  it is one term among GRPO's, and keeps the agent exploring where it is wrong.
   """
   if not cfg.skip_without_signal:
     return True
-  return not all(np.all(np.asarray(a) == 0) and np.all(np.asarray(c) == 1.0)
-                 for a, c in zip(advantages, correct))
+  return not all(np.all(np.asarray(a) == 0) for a in advantages)
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

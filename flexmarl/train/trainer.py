@@ -228,7 +228,7 @@ class AgentTrainer:
     `params` are the new ones at once (as arrays still being computed);
     the returned function waits for the step and gives its per-token stats. In between
     the caller may run other work, e.g. a rollout on other devices. `step=False`
-    (`grpo.takes_step` says so for a solved batch without signal) drops the
+    (`grpo.takes_step` says so for a batch without advantage signal) drops the
     accumulated gradient instead: no Adam update, no parameter change; stats say
     `skipped_update` 1 (stats: `entropy_coef`, the coefficient this batch's gradient used;
     `entropy_bonus`, its mean over the tokens after `grpo.entropy_weights`)."""
