@@ -56,9 +56,9 @@ class GRPOConfig:
   kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds k3 KL.
   # The entropy bonus: each row's times the share of its group that is wrong
   # (`entropy_by_error`, grpo.entropy_weights), so an agent keeps exploring where it is
-  # wrong and stays sharp where it is right. 0.3 was measured on the robustness suite
+  # wrong and stays sharp where it is right. 0.2 was measured on the robustness suite
   # (experiments/benchmarks/RESULTS.md).
-  entropy_coef: float = 0.3
+  entropy_coef: float = 0.2
   entropy_by_error: bool = True  # off: every row gets the whole bonus
   entropy_decay_steps: int = 0  # anneal the bonus linearly to 0 over this many updates
   normalize_std: bool = True  # divide advantages by the group's std (GRPO); off: Dr. GRPO.
