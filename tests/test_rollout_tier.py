@@ -278,3 +278,36 @@ def test_a_moved_instance_serves_the_receiving_agents_current_weights():
   np.testing.assert_array_equal(ours.tokens, theirs.tokens)
   np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-6)
   assert set(jax.tree.leaves(moved.sampler.state)[0].sharding.device_set) == {devices[moved.devices[0]]}
+
+
+def test_a_moved_instance_keeps_its_sampler_when_the_pool_can_retarget_it():
+  """`retarget` that takes the sampler over: no new sampler, the old one not closed;
+  one that refuses: the old sampler closed and a new one made."""
+  closed, made = [], []
+
+  class Tracked(SlowEcho):
+    def close(self):
+      closed.append(self)
+
+  def make(devices, weights):
+    made.append(Tracked())
+    made[-1].version = weights.version
+    return made[-1]
+
+  def takes_over(sampler, weights):
+    if weights.version == 9:  # "another architecture"
+      return False
+    sampler.update_weights(weights.params, weights.version)
+    return True
+
+  for version, kept in ((7, True), (9, False)):
+    closed.clear()
+    made.clear()
+    a = InstancePool('a', [Instance(f'a/{i}', (i,), Tracked()) for i in range(2)], make,
+                     Weights({}, 0))
+    b = InstancePool('b', [], make, Weights({}, version), retarget=takes_over)
+    moved = a.release()
+    old = moved.sampler
+    b.adopt(moved)
+    assert b.instances == [moved] and moved.sampler.version == version
+    assert (moved.sampler is old) == kept and (closed == []) == kept and (made == []) == kept
