@@ -42,7 +42,7 @@ def _params(cfg: ModelConfig, seed: int) -> dict:
 def _convert_s(cfg: ModelConfig, params: dict, in_place: bool) -> float:
   """Seconds to produce every host array the path hands to vLLM (nothing sent)."""
   start = time.perf_counter()
-  arrays = (vllm_weights.host_weights(cfg, params, 'float32') if in_place
+  arrays = (vllm_weights.host_weights(cfg, params) if in_place
             else hf.hf_weights(cfg, params, 'float32'))
   for _ in arrays:
     pass

@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import time
-import warnings
 
 import numpy as np
 
@@ -57,17 +56,6 @@ def engine_model(cfg: ModelConfig) -> ModelConfig:
   """What a started engine's model depends on: the architecture, not the trained dtype
   (weights are cast to the engine's). Agents with equal ones can share an engine."""
   return dataclasses.replace(cfg, dtype='float32')
-
-
-def _to_torch(array: np.ndarray):
-  """Shares `array`'s memory. It may be a read-only view of a JAX buffer: vLLM only
-  copies from it, so torch's warning about non-writable arrays is silenced."""
-  import torch
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', UserWarning)
-    if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
-      return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 def _reload(worker, weights, tied: bool) -> None:
@@ -231,11 +219,10 @@ class VLLMSampler:
   def _update(self, state: dict, version: int) -> None:
     start = time.perf_counter()
     if self.in_place:
-      weights = ((name, _to_torch(a)) for name, a in
-                 vllm_weights.host_weights(self.cfg, state, self.engine_cfg.dtype))
-      self._llm.collective_rpc(vllm_weights.install, args=(weights,))
+      self._llm.collective_rpc(vllm_weights.install,
+                               args=(vllm_weights.host_weights(self.cfg, state),))
     else:
-      weights = ((name, _to_torch(a)) for name, a in
+      weights = ((name, vllm_weights.to_torch(a)) for name, a in
                  hf.hf_weights(self.cfg, state, self.engine_cfg.dtype))
       self._llm.collective_rpc(_reload, args=(weights, self.cfg.tie_embeddings))
     self._llm.reset_prefix_cache()

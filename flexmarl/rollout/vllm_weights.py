@@ -4,19 +4,22 @@ vLLM keeps a Llama/Qwen2 model with fused projections (q|k|v in `qkv_proj`, gate
 `gate_up_proj`). On CPU, once loaded, every linear layer's weight is repacked into a GEMM
 handle (oneDNN or sgl-kernel) and the plain tensor dropped; the LM head keeps its
 tensor and gets a handle too (`dispatch_cpu_unquantized_gemm`). vLLM's layer-wise
-`reload_weights` rebuilds all of that through the full loader (≈12 s for a 0.5B model
-on two CPU cores), and its kernel-format reload (`is_checkpoint_format=False`) copies
-into tensors that on CPU no longer exist. Here instead:
+`reload_weights` rebuilds all of that through the full loader (≈7–12 s for a 0.5B
+model on two CPU cores), and its kernel-format reload (`is_checkpoint_format=False`)
+copies into tensors that on CPU no longer exist. Here instead:
 
-- `kernel_weights` converts our params into the fused layout on the device: one
-  concatenation per fused projection; linear weights stay [in, out], the layout the GEMM
-  handle is made from (`create_onednn_mm(weight.t())`), so nothing is transposed;
-- `install` (inside the vLLM worker) copies each tensor into its parameter in place; a
-  layer whose weight lives in a GEMM handle gets the new weight and its own quant method
-  makes the handle again (the step vLLM's loader ends with), which packs a copy;
+- `kernel_weights` names, for every vLLM parameter, the parts of our params it is made
+  of, as views: no copy, no transpose (our [in, out] matrices seen as [out, in]);
+- `install` (inside the vLLM worker) copies the parts into each parameter in place; for
+  a layer whose weight lives in a GEMM handle, the weight (fused parts assembled in a
+  scratch buffer reused from layer to layer) is handed to the layer's own quant method,
+  which packs a new handle from it as at load;
 - `describe` and `mismatch` say up front whether an engine's model is one this covers
   (names, shapes, unquantized layers, eager mode); when not, the caller falls back to
   the full reload.
+
+On this machine the time goes into the new handles' memory (page faults), not copying:
+nothing else allocates.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -34,49 +36,52 @@ from flexmarl.models.transformer import ModelConfig
 # The quant methods whose weights are plain tensors (or one GEMM handle made from them).
 PLAIN_METHODS = ('UnquantizedLinearMethod', 'UnquantizedEmbeddingMethod')
 
+Parts = list  # arrays stacked along axis 0 make the parameter
 
-def kernel_weights(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, jax.Array]]:
-  """(vLLM parameter name, array) for every parameter, in the layout vLLM keeps: fused
-  q|k|v and gate|up, linear weights as [in, out], embeddings [vocab, hidden]. A LoRA
-  model's adapters are merged into its weights."""
-  params = lora.merged(params, cfg.lora)
-  flat = lambda w: w.reshape(w.shape[0], -1)  # [hidden, heads, head_dim] → [hidden, heads·head_dim]
-  yield 'model.embed_tokens.weight', params['embed']
-  yield 'model.norm.weight', params['norm']['scale']
+
+def kernel_weights(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, Parts]]:
+  """(vLLM parameter name, its parts) for every parameter: arrays that, stacked along
+  axis 0, make it in vLLM's layout ([out, in] weights, q|k|v and gate|up fused, an
+  embedding's real rows). Only reshapes and transposes: on host arrays, all views."""
+  rows = lambda w: w.reshape(w.shape[0], -1).T  # ours [in, ...] → [out, in]
+  yield 'model.embed_tokens.weight', [params['embed']]
+  yield 'model.norm.weight', [params['norm']['scale']]
   if not cfg.tie_embeddings:
-    yield 'lm_head.weight', params['lm_head'].T
+    yield 'lm_head.weight', [params['lm_head'].T]
   for i in range(cfg.layers):
     block, name = params['blocks'][i], f'model.layers.{i}.'
     attn, mlp = block['attn'], block['mlp']
-    yield name + 'input_layernorm.weight', block['attn_norm']['scale']
-    yield name + 'post_attention_layernorm.weight', block['mlp_norm']['scale']
-    yield name + 'self_attn.qkv_proj.weight', jnp.concatenate(
-        [flat(attn['q']), flat(attn['k']), flat(attn['v'])], axis=1)
+    yield name + 'input_layernorm.weight', [block['attn_norm']['scale']]
+    yield name + 'post_attention_layernorm.weight', [block['mlp_norm']['scale']]
+    yield name + 'self_attn.qkv_proj.weight', [rows(attn[p]) for p in 'qkv']
     if cfg.qkv_bias:
-      yield name + 'self_attn.qkv_proj.bias', jnp.concatenate(
-          [attn[f'{p}_bias'].reshape(-1) for p in 'qkv'])
-    yield name + 'self_attn.o_proj.weight', attn['o'].reshape(-1, attn['o'].shape[-1])
-    yield name + 'mlp.gate_up_proj.weight', jnp.concatenate([mlp['gate'], mlp['up']], axis=1)
-    yield name + 'mlp.down_proj.weight', mlp['down']
+      yield name + 'self_attn.qkv_proj.bias', [attn[f'{p}_bias'].reshape(-1) for p in 'qkv']
+    yield name + 'self_attn.o_proj.weight', [attn['o'].reshape(-1, attn['o'].shape[-1]).T]
+    yield name + 'mlp.gate_up_proj.weight', [mlp['gate'].T, mlp['up'].T]
+    yield name + 'mlp.down_proj.weight', [mlp['down'].T]
 
 
-def host_weights(cfg: ModelConfig, params: dict, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
-  """`kernel_weights` cast to `dtype`, one host array at a time (on a single CPU device
-  each shares its device buffer)."""
-  for name, value in kernel_weights(cfg, params):
-    yield name, np.asarray(value.astype(dtype))
+def host_weights(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, Parts]]:
+  """`kernel_weights` of host arrays (a LoRA model's adapters merged first); on a single
+  CPU device each shares its JAX buffer."""
+  host = jax.tree.map(np.asarray, lora.merged(params, cfg.lora))
+  return kernel_weights(cfg, host)
+
+
+def _stacked(parts: Parts) -> tuple[int, ...]:
+  return (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
 
 
 def kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """The shape of every array `kernel_weights` yields for `cfg` (nothing computed)."""
-  abstract = hf.abstract_params(cfg)[1]
-  shapes = jax.eval_shape(lambda p: dict(kernel_weights(cfg, p)), nnx.to_pure_dict(abstract))
-  return {name: tuple(s.shape) for name, s in shapes.items()}
+  """The shape of every parameter `kernel_weights` makes for `cfg` (nothing computed)."""
+  abstract = nnx.to_pure_dict(hf.abstract_params(cfg)[1])
+  parts = jax.eval_shape(lambda p: dict(kernel_weights(cfg, p)), abstract)
+  return {name: _stacked(p) for name, p in parts.items()}
 
 
 def mismatch(ours: Mapping[str, tuple[int, ...]], engine: Mapping[str, tuple[int, ...]],
              problems: Iterable[str] = ()) -> str | None:
-  """Why our arrays cannot be copied into the engine's parameters (None: they can).
+  """Why our params cannot be copied into the engine's parameters (None: they can).
   `engine`: what `describe` found; `problems`: its reasons to refuse."""
   problems = list(problems)
   if problems:
@@ -103,9 +108,10 @@ def _is_embedding(module) -> bool:
 
 
 def describe(worker) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-  """Runs inside the vLLM worker: (name → the shape `install` takes, reasons to refuse).
-  Linear weights are [in, out]; an embedding's rows are its real vocabulary (vLLM pads
-  them to a multiple of 64 and keeps the padding at zero)."""
+  """Runs inside the vLLM worker: (name → the shape `install` fills, reasons to refuse).
+  A linear weight is [out, in] even where its tensor was dropped for a GEMM handle; an
+  embedding's rows are its real vocabulary (vLLM pads them to a multiple of 64 and keeps
+  the padding at zero)."""
   from vllm.platforms import current_platform
   model = worker.model_runner.get_model()
   problems = []
@@ -125,7 +131,7 @@ def describe(worker) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     if hasattr(module, 'quant_method') and method not in PLAIN_METHODS:
       problems.append(f'{name} is served by {method}')
     if _is_linear(module) and name.endswith('.weight'):
-      shapes[name] = (module.input_size_per_partition, module.output_size_per_partition)
+      shapes[name] = (module.output_size_per_partition, module.input_size_per_partition)
     elif _is_embedding(module):
       shapes[name] = (module.org_vocab_size,) + tuple(param.shape[1:])
     else:
@@ -133,31 +139,67 @@ def describe(worker) -> tuple[dict[str, tuple[int, ...]], list[str]]:
   return shapes, problems
 
 
-def install(worker, weights: Iterable[tuple[str, 'torch.Tensor']]) -> None:  # noqa: F821
-  """Runs inside the vLLM worker: every (name, tensor) of `host_weights` into its
-  parameter, checked beforehand by `describe`/`mismatch`. A weight that lives in a GEMM
-  handle becomes the layer's weight and its quant method packs a new handle from it (as
-  at load); every other tensor is copied in place. Handles made from a copied tensor
-  (the LM head's, tied or not) are made again at the end. Our tensors may share JAX's
-  buffers: none is kept past this call."""
+def install(worker, weights: Iterable[tuple[str, Parts]]) -> None:
+  """Runs inside the vLLM worker: the parts of every parameter (`host_weights`, checked
+  by `describe`/`mismatch`) into the model. A weight that lives in a GEMM handle becomes
+  the layer's weight and its quant method packs a new handle from it (as at load); every
+  other parameter is copied in place. Handles made from a copied tensor (the LM head's,
+  tied or not) are made again at the end. Our arrays may share JAX's buffers: none is
+  kept past this call."""
   import torch
   model = worker.model_runner.get_model()
+  dtype = worker.model_config.dtype
+  scratch: dict[tuple, torch.Tensor] = {}  # [in, out] buffers, one per shape, reused
   copied = set()
-  for name, tensor in weights:
+  for name, parts in weights:
     module_name, _, attr = name.rpartition('.')
     module = model.get_submodule(module_name)
-    if _is_linear(module) and attr == 'weight':
-      tensor = tensor.t()  # [out, in], as vLLM's loader leaves it
-      if hasattr(module, 'cpu_linear'):
-        module.weight = torch.nn.Parameter(tensor, requires_grad=False)
-        module.quant_method.process_weights_after_loading(module)
-        if module.weight.data_ptr() == tensor.data_ptr():  # the handle kept the tensor
-          module.weight = torch.nn.Parameter(tensor.clone(), requires_grad=False)
-        continue
+    parts = [to_torch(p) for p in parts]
+    if _is_linear(module) and attr == 'weight' and hasattr(module, 'cpu_linear'):
+      module.weight = torch.nn.Parameter(_assembled(parts, dtype, scratch), requires_grad=False)
+      module.quant_method.process_weights_after_loading(module)
+      if any(module.weight.data_ptr() == t.data_ptr() for t in [*parts, *scratch.values()]):
+        module.weight = torch.nn.Parameter(module.weight.clone(), requires_grad=False)
+      continue
     param = getattr(module, attr)
-    param.data[:tensor.shape[0]].copy_(tensor)  # an embedding's padded rows stay zero
+    start = 0
+    for part in parts:  # an embedding's padded rows stay zero
+      param.data[start:start + part.shape[0]].copy_(part)
+      start += part.shape[0]
     copied.add(param)
   for module in model.modules():
     if (hasattr(module, 'cpu_linear') and not _is_linear(module)
         and any(p in copied for p in module.parameters(recurse=False))):
       module.quant_method.process_weights_after_loading(module)
+
+
+def to_torch(array: np.ndarray):
+  """Shares `array`'s memory. It may be a read-only view of a JAX buffer: only read
+  from, so torch's warning about non-writable arrays is silenced."""
+  import warnings
+
+  import torch
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', UserWarning)
+    if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
+      return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _assembled(parts: list, dtype, scratch: dict):
+  """The [out, in] weight of `parts`: the one part itself when it needs no cast, else
+  the parts copied (and cast) into a scratch [in, out] buffer, seen as [out, in] — the
+  layout a GEMM handle is made from (`create_onednn_mm(weight.t())`)."""
+  import torch
+  if len(parts) == 1 and parts[0].dtype == dtype:
+    return parts[0]
+  rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+  key = (cols, rows, dtype)
+  if key not in scratch:
+    scratch[key] = torch.empty(cols, rows, dtype=dtype)
+  weight = scratch[key].t()
+  start = 0
+  for part in parts:
+    weight[start:start + part.shape[0]].copy_(part)
+    start += part.shape[0]
+  return weight
