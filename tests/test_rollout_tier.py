@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 
@@ -311,3 +312,20 @@ def test_a_moved_instance_keeps_its_sampler_when_the_pool_can_retarget_it():
     b.adopt(moved)
     assert b.instances == [moved] and moved.sampler.version == version
     assert (moved.sampler is old) == kept and (closed == []) == kept and (made == []) == kept
+
+
+def test_under_vllm_instances_move_only_between_agents_of_one_architecture():
+  """The balancer's groups (`build.balance_group`): the mesh shape, and under vLLM the
+  model too, but not the trained dtype (an engine casts weights to its own)."""
+  from types import SimpleNamespace
+
+  from flexmarl.build import balance_group
+  model = transformer.ModelConfig(heads=2, kv_heads=1, head_dim=32)
+  agent = lambda **m: SimpleNamespace(mesh_shape=(1,), model=dataclasses.replace(model, **m))
+  spec = lambda backend: SimpleNamespace(rollout=SimpleNamespace(backend=backend))
+  groups = {name: [balance_group(spec(backend), agent(**m)) for m in
+                   ({}, {'dtype': 'bfloat16'}, {'mlp': 2 * model.mlp})]
+            for name, backend in (('embedded', 'embedded'), ('vllm', 'vllm'))}
+  assert groups['embedded'] == [(1,)] * 3
+  same, cast, other = groups['vllm']
+  assert same == cast != other and same[:1] == (1,)

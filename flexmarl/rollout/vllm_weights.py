@@ -107,6 +107,11 @@ def _is_embedding(module) -> bool:
   return isinstance(module, VocabParallelEmbedding)
 
 
+def _is_lm_head(module) -> bool:
+  from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+  return isinstance(module, ParallelLMHead)
+
+
 def describe(worker) -> tuple[dict[str, tuple[int, ...]], list[str]]:
   """Runs inside the vLLM worker: (name → the shape `install` fills, reasons to refuse).
   A linear weight is [out, in] even where its tensor was dropped for a GEMM handle; an
@@ -143,8 +148,9 @@ def install(worker, weights: Iterable[tuple[str, Parts]]) -> None:
   """Runs inside the vLLM worker: the parts of every parameter (`host_weights`, checked
   by `describe`/`mismatch`) into the model. A weight that lives in a GEMM handle becomes
   the layer's weight and its quant method packs a new handle from it (as at load); every
-  other parameter is copied in place. Handles made from a copied tensor (the LM head's,
-  tied or not) are made again at the end. Our arrays may share JAX's buffers: none is
+  other parameter is copied in place. The LM head's handle (tied or not) is made again
+  at the end; the one vLLM also makes for the input embedding is left: the embedding
+  looks rows up and never calls it. Our arrays may share JAX's buffers: none is
   kept past this call."""
   import torch
   model = worker.model_runner.get_model()
@@ -167,8 +173,8 @@ def install(worker, weights: Iterable[tuple[str, Parts]]) -> None:
       param.data[start:start + part.shape[0]].copy_(part)
       start += part.shape[0]
     copied.add(param)
-  for module in model.modules():
-    if (hasattr(module, 'cpu_linear') and not _is_linear(module)
+  for module in model.modules():  # the input embedding's handle is never called: not remade
+    if (_is_lm_head(module) and hasattr(module, 'cpu_linear')
         and any(p in copied for p in module.parameters(recurse=False))):
       module.quant_method.process_weights_after_loading(module)
 
