@@ -26,11 +26,12 @@ from flexmarl.data.journal import Journal
 from flexmarl.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.models import hf, peft, sharding
+from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.rollout.adapters import SharedAdapterSampler
 from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
-from flexmarl.rollout.pool import Instance, InstancePool
+from flexmarl.rollout.pool import Instance, InstancePool, Retarget
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
 from flexmarl.rollout.spec import engine_config
 from flexmarl.schedules import Schedule, make_schedule
@@ -62,6 +63,8 @@ class Factories:
   timeline(name): the span track of the agent's training devices (None: none).
   shared_sampler(names, trainers): the `MakeShared` of a `rollout.adapter_groups` group
     (None: the backend gives every agent instances of its own).
+  retarget(name, spec): how the agent takes over another agent's rollout instance in
+    place (None: a new sampler is made for it).
   """
 
   trainer: Callable[[str, AgentSpec, int, placement_lib.MeshPlacement | None], Trainer]
@@ -71,6 +74,7 @@ class Factories:
                           TrainingEngine] | None = None
   timeline: Callable[[str], Timeline | None] = lambda name: None
   shared_sampler: Callable[[Sequence[str], Mapping[str, Trainer]], MakeShared] | None = None
+  retarget: Callable[[str, AgentSpec], Retarget | None] = lambda name, spec: None
 
 
 def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Factories,
@@ -108,7 +112,8 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
                  [Instance(f'{name}/{j}', m.devices, make(m.devices, weights))
                   for j, m in enumerate(placement.rollout[name])])
     pool = InstancePool(name, instances, make, weights,
-                        sticky=spec.rollout.sticky_conversations)
+                        sticky=spec.rollout.sticky_conversations,
+                        retarget=factories.retarget(name, a))
     agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
                          prompt_len=spec.max_prompt_len, pad_id=pad_ids[name], clock=clock,
                          recorder=recorder, timeline=factories.timeline(name), engine=engine)
@@ -151,6 +156,15 @@ def vllm_sampler_on(spec: TeamSpec, name: str, tokenizer: TextTokenizer, workdir
       workdir=os.path.join(workdir, 'vllm', name, '-'.join(map(str, devices))),
       eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
       engine=engine_config(**spec.rollout.vllm), version=weights.version)
+
+
+def vllm_retarget(model: ModelConfig, tokenizer: TextTokenizer) -> Retarget:
+  """How an agent of `model` takes over another agent's vLLM instance: one weight sync
+  into the running engine when the architectures match (`VLLMSampler.serve`)."""
+  def retarget(sampler: Sampler, weights: Weights) -> bool:
+    return sampler.serve(model, weights.params, weights.version, eos_id=tokenizer.stop_ids,
+                         pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids)
+  return retarget
 
 
 def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
@@ -216,26 +230,41 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
         spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder,
         clock=recorder.clock)
 
+  def retarget(name: str, a: AgentSpec) -> Retarget | None:
+    # An embedded sampler is made anew: cheap, its compiled loop is shared.
+    return vllm_retarget(a.model, tokenizers[name]) if spec.rollout.backend == 'vllm' else None
+
   return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
                    training_pool, lambda name: Timeline(recorder, f'train:{name}'),
-                   shared_sampler)
+                   shared_sampler, retarget)
+
+
+def balance_group(spec: TeamSpec, a: AgentSpec) -> tuple:
+  """The agents an instance of `a` may move between: those of one mesh shape and, under
+  vLLM, one architecture (`vllm_sampler.engine_model`)."""
+  if spec.rollout.backend != 'vllm':
+    return a.mesh_shape
+  from flexmarl.rollout import vllm_sampler  # the optional extra
+  return a.mesh_shape + (vllm_sampler.engine_model(a.model),)
 
 
 def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
                    tokenizers: Mapping[str, TextTokenizer], clock: Clock,
                    recorder: spans.SpanRecorder | None) -> RolloutEngine:
   """The team's rollout engine over the agents' instance pools, with the balancer when
-  it is on (embedded instances in this process only: moving a vLLM instance or a Ray
-  worker would restart it). Agents that share instances keep theirs: the balancer
-  neither takes one from them nor gives them one."""
+  it is on (instances in this process only: moving a Ray worker would restart it).
+  Instances move between agents of one mesh shape, and under vLLM of one architecture
+  too: such a move is a weight sync into the running engine. Agents that share
+  instances keep theirs: the balancer neither takes one from them nor gives them one."""
   r = spec.rollout
-  limits = lambda n, a: (Limits(a.instances, a.instances, a.mesh_shape)  # pinned
-                         if spec.placement.group_of(n)
-                         else Limits(a.min_instances, a.max_instances, a.mesh_shape))
+
+  def limits(n: str, a: AgentSpec) -> Limits:
+    if spec.placement.group_of(n):  # pinned
+      return Limits(a.instances, a.instances, balance_group(spec, a))
+    return Limits(a.min_instances, a.max_instances, balance_group(spec, a))
   balancer = (Balancer({n: limits(n, a) for n, a in spec.agents.items()},
                        r.balance_threshold, r.balance_cooldown_s)
-              if r.balance and r.backend == 'embedded' and spec.cluster.backend == 'local'
-              else None)
+              if r.balance and spec.cluster.backend == 'local' else None)
   return RolloutEngine(
       {n: a.pool for n, a in agents.items()},
       {n: a.sampling for n, a in spec.agents.items()},

@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 
@@ -278,3 +279,53 @@ def test_a_moved_instance_serves_the_receiving_agents_current_weights():
   np.testing.assert_array_equal(ours.tokens, theirs.tokens)
   np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-6)
   assert set(jax.tree.leaves(moved.sampler.state)[0].sharding.device_set) == {devices[moved.devices[0]]}
+
+
+def test_a_moved_instance_keeps_its_sampler_when_the_pool_can_retarget_it():
+  """`retarget` that takes the sampler over: no new sampler, the old one not closed;
+  one that refuses: the old sampler closed and a new one made."""
+  closed, made = [], []
+
+  class Tracked(SlowEcho):
+    def close(self):
+      closed.append(self)
+
+  def make(devices, weights):
+    made.append(Tracked())
+    made[-1].version = weights.version
+    return made[-1]
+
+  def takes_over(sampler, weights):
+    if weights.version == 9:  # "another architecture"
+      return False
+    sampler.update_weights(weights.params, weights.version)
+    return True
+
+  for version, kept in ((7, True), (9, False)):
+    closed.clear()
+    made.clear()
+    a = InstancePool('a', [Instance(f'a/{i}', (i,), Tracked()) for i in range(2)], make,
+                     Weights({}, 0))
+    b = InstancePool('b', [], make, Weights({}, version), retarget=takes_over)
+    moved = a.release()
+    old = moved.sampler
+    b.adopt(moved)
+    assert b.instances == [moved] and moved.sampler.version == version
+    assert (moved.sampler is old) == kept and (closed == []) == kept and (made == []) == kept
+
+
+def test_under_vllm_instances_move_only_between_agents_of_one_architecture():
+  """The balancer's groups (`build.balance_group`): the mesh shape, and under vLLM the
+  model too, but not the trained dtype (an engine casts weights to its own)."""
+  from types import SimpleNamespace
+
+  from flexmarl.build import balance_group
+  model = transformer.ModelConfig(heads=2, kv_heads=1, head_dim=32)
+  agent = lambda **m: SimpleNamespace(mesh_shape=(1,), model=dataclasses.replace(model, **m))
+  spec = lambda backend: SimpleNamespace(rollout=SimpleNamespace(backend=backend))
+  groups = {name: [balance_group(spec(backend), agent(**m)) for m in
+                   ({}, {'dtype': 'bfloat16'}, {'mlp': 2 * model.mlp})]
+            for name, backend in (('embedded', 'embedded'), ('vllm', 'vllm'))}
+  assert groups['embedded'] == [(1,)] * 3
+  same, cast, other = groups['vllm']
+  assert same == cast != other and same[:1] == (1,)

@@ -5,6 +5,7 @@ sizes of 32 or more, so the model is the tiny preset with 2 heads of 32.
 """
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -13,7 +14,12 @@ from flax import nnx
 
 pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requirements-vllm.txt)')
 
+from flexmarl.build import vllm_retarget  # noqa: E402
+from flexmarl.interfaces import Weights  # noqa: E402
+from flexmarl.models import hf  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
+from flexmarl.rollout import vllm_weights  # noqa: E402
+from flexmarl.rollout.pool import Instance, InstancePool  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
 from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler, row_seed  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
@@ -65,6 +71,7 @@ def test_logprobs_match_flax_after_each_weight_sync(sampler):
     graphdef, params = _params(version)
     if version:
       sampler.update_weights(params, version)
+      assert sampler.in_place  # the copy into the model, not the full reload
       assert sampler.version == version and 0 < sampler.last_sync_s < 5
     batch = sampler.submit(PROMPTS, _keys(version), PARAMS).result()
     ours, mask = _flax_logprobs(graphdef, params, batch)
@@ -91,6 +98,42 @@ def test_a_row_does_not_depend_on_its_batch(sampler):
   reversed_batch = sampler.submit(PROMPTS[::-1], keys[::-1], PARAMS).result()
   np.testing.assert_array_equal(reversed_batch.tokens[::-1], together.tokens)
   assert len({row_seed(k) for k in keys}) == len(keys)
+
+
+def test_a_balancer_move_between_agents_of_one_architecture_is_one_weight_sync(sampler):
+  """The module's engine moves from agent a to agent b (same model, other weights and
+  stop id): no engine start, one weight sync, and then it serves b's policy; an agent of
+  another architecture is refused (its pool would start an engine)."""
+  graphdef, params_b = _params(5)
+  stop_b = 13  # a token b's policy draws in this batch (the draws are seeded)
+
+  def no_engine(devices, weights):
+    raise AssertionError('a move between agents of one architecture started an engine')
+
+  class Idle:  # pool a's second instance, so that a may give one away
+    version = 0
+
+  a = InstancePool('a', [Instance('a/0', (0,), sampler), Instance('a/1', (1,), Idle())],
+                   no_engine, Weights(_params(0)[1], 0))
+  tok_b = types.SimpleNamespace(stop_ids=(stop_b,), pad_id=TOK.pad_id, banned_ids=())
+  b = InstancePool('b', [], no_engine, Weights(params_b, 4),
+                   retarget=vllm_retarget(CFG, tok_b))
+  starts, syncs = sampler.starts, sampler.syncs
+  moved = a.release()
+  assert moved.sampler is sampler
+  b.adopt(moved)
+  assert (sampler.starts, sampler.syncs, sampler.version) == (starts, syncs + 1, 4)
+  batch = sampler.submit(PROMPTS, _keys(4), PARAMS).result()
+  ours, mask = _flax_logprobs(graphdef, params_b, batch)
+  np.testing.assert_allclose(batch.logprobs[mask], ours[mask], atol=1e-4, rtol=0)
+  for i, n in enumerate(batch.lengths):  # b's stop id ends an answer, a's no longer does
+    assert stop_b not in batch.tokens[i, :n - 1]
+    assert n == PARAMS.max_new_tokens or batch.tokens[i, n - 1] == stop_b
+  assert (batch.lengths < PARAMS.max_new_tokens).any()
+  assert any(TOK.eos_id in batch.tokens[i, :n - 1] for i, n in enumerate(batch.lengths))
+  other = dataclasses.replace(CFG, mlp=2 * CFG.mlp)
+  assert not sampler.serve(other, {}, 5, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  assert (sampler.starts, sampler.syncs, sampler.version) == (starts, syncs + 1, 4)
 
 
 def test_killed_engine_restarts_with_current_weights_and_serves_pending(sampler):
@@ -147,3 +190,27 @@ def test_training_with_vllm_rollout_survives_a_killed_engine(tmp_path):
     for agent, per_query in (('solver', 8), ('verifier', 16)):
       ids = [r.sample_id for r in store.read(agent)]
       assert len(ids) == len(set(ids)) == per_query * orch.next_query, agent
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_the_in_place_layout_is_vllms_fusion_of_the_hf_export(tied):
+  """What `install` copies into vLLM equals what vLLM's loader builds from our HF export:
+  q|k|v and gate|up stacked along the output axis, every other tensor as exported."""
+  cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+  params = nnx.to_pure_dict(nnx.state(Decoder(cfg, nnx.Rngs(params=3))))
+  exported = dict(hf.hf_weights(cfg, params))
+  fused = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
+  ours = {name: np.concatenate(parts) for name, parts in vllm_weights.host_weights(cfg, params)}
+  assert {n: a.shape for n, a in ours.items()} == vllm_weights.kernel_shapes(cfg)
+  for name, value in ours.items():
+    layer, _, kind = name.rpartition('.')  # kind: weight or bias
+    parent, _, module = layer.rpartition('.')
+    sources = [f'{parent}.{s}.{kind}' for s in fused[module]] if module in fused else [name]
+    np.testing.assert_array_equal(value, np.concatenate([exported.pop(s) for s in sources]))
+  assert not exported  # every exported tensor is copied
+  shapes = vllm_weights.kernel_shapes(cfg)
+  assert vllm_weights.mismatch(shapes, shapes) is None
+  assert 'shapes differ' in vllm_weights.mismatch(
+      shapes, {**shapes, 'model.norm.weight': (cfg.hidden + 1,)})
+  assert 'names differ' in vllm_weights.mismatch(shapes, {**shapes, 'model.extra.weight': (1,)})
+  assert vllm_weights.mismatch(shapes, shapes, ['quantized']) == 'quantized'

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 class Limits:
   min_instances: int
   max_instances: int
-  shape: tuple[int, ...]  # instances only move between agents of the same mesh shape
+  # instances only move between agents of the same group: a mesh shape (and under vLLM,
+  # a model architecture too)
+  shape: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,7 @@ def decide(loads: Mapping[str, float], counts: Mapping[str, int],
 
   Load per instance is the agent's load (queued + running tokens, averaged) over its
   instance count; an agent never drops below its minimum nor exceeds its maximum, and
-  instances only move between agents of the same instance shape."""
+  instances only move between agents of the same group (`Limits.shape`)."""
   per = {a: loads[a] / counts[a] for a in counts}
   for target in sorted(per, key=lambda a: (-per[a], a)):
     if counts[target] >= limits[target].max_instances or loads[target] <= 0:

@@ -139,17 +139,25 @@ class Instance:
     return batch, out, self.versions
 
 
+# (an instance's sampler, this agent's weights) -> whether the sampler now serves this
+# agent, moved in place (else a new sampler must be made).
+Retarget = Callable[[Sampler, Weights], bool]
+
+
 class InstancePool:
   """An agent's rollout instances and the weights they serve (the agent's `WeightSink`).
 
   `make_sampler(devices, weights)` builds a sampler of this agent's model on `devices`
-  serving `weights` (used when an instance joins the pool from another agent)."""
+  serving `weights`, for an instance that joins the pool from another agent, unless
+  `retarget` moves that instance's own sampler over (a vLLM engine between agents of
+  one architecture: one weight sync instead of a new engine)."""
 
   def __init__(self, agent: str, instances: list[Instance],
                make_sampler: Callable[[tuple[int, ...], Weights], Sampler] | None,
-               weights: Weights | None = None, sticky: bool = False):
+               weights: Weights | None = None, sticky: bool = False,
+               retarget: Retarget | None = None):
     self.agent, self.instances, self.make_sampler = agent, instances, make_sampler
-    self.weights, self.sticky = weights, sticky
+    self.weights, self.sticky, self.retarget = weights, sticky, retarget
     self._conversation: dict[str, Instance] = {}
 
   @property
@@ -191,7 +199,9 @@ class InstancePool:
     return inst
 
   def adopt(self, inst: Instance) -> None:
-    """Serve this agent from `inst`: load the agent's current weights onto its devices."""
-    inst.sampler.close()
-    inst.sampler = self.make_sampler(inst.devices, self.weights)
+    """Serve this agent from `inst`: its sampler moved over with this agent's current
+    weights (`retarget`), or a new one on its devices."""
+    if self.retarget is None or not self.retarget(inst.sampler, self.weights):
+      inst.sampler.close()
+      inst.sampler = self.make_sampler(inst.devices, self.weights)
     self.instances.append(inst)

