@@ -132,7 +132,21 @@ def agent_report(lines: list[dict], agent: str) -> dict:
       end_entropy_bonus=float(np.mean([l.get('entropy_bonus', math.nan) for l in mine[-end:]])))
 
 
-def report(workdir: str, constants: dict[str, float], log_lines: list[str]) -> dict:
+def watch_counts(lines: list[dict], agent: str) -> tuple[int, int]:
+  """(stall warnings, intervention lines) the run's StallWatch prints for the agent,
+  replayed from its metrics (so a finished run is judged by today's rules)."""
+  from flexmarl.metrics.stall import StallWatch
+  watch, warnings, notes = StallWatch(), 0, 0
+  for l in sorted((l for l in lines if l['agent'] == agent and l.get('updated')),
+                  key=lambda l: l['step']):
+    warnings += bool(watch.update(agent, l['step'], l['zero_spread'],
+                                  l.get('entropy', math.nan), l['accuracy']))
+    notes += bool(watch.intervention(agent, l['step'], l.get('entropy_bonus', math.nan),
+                                     l.get('entropy_coef', math.nan)))
+  return warnings, notes
+
+
+def report(workdir: str, constants: dict[str, float]) -> dict:
   from flexmarl.metrics.writer import read_metrics
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   agents = sorted({l['agent'] for l in lines} - {'team'})
@@ -140,8 +154,7 @@ def report(workdir: str, constants: dict[str, float], log_lines: list[str]) -> d
   for agent in agents:
     r = agent_report(lines, agent)
     r['best_constant'] = constants.get(agent, math.nan)
-    r['stall_warnings'] = sum(f"agent {agent!r} has stalled" in s for s in log_lines)
-    r['interventions'] = sum(f"agent {agent!r}: the framework raises" in s for s in log_lines)
+    r['stall_warnings'], r['interventions'] = watch_counts(lines, agent)
     out[agent] = r
   return out
 
@@ -166,9 +179,7 @@ HEADER = ('| shape | seed | agent | best constant | end accuracy | first ≥0.9 
 def main(argv):
   del argv
   if _ANALYZE.value:
-    log = os.path.join(_ANALYZE.value, 'log.txt')
-    log_lines = open(log).read().splitlines() if os.path.exists(log) else []
-    result = report(_ANALYZE.value, {}, log_lines)
+    result = report(_ANALYZE.value, {})
     print(HEADER)
     for agent, r in result.items():
       print(_row(os.path.basename(_ANALYZE.value), '–', agent, r))
@@ -182,12 +193,11 @@ def main(argv):
     shape = SHAPES[name]
     for seed in seeds:
       config = untuned_config(shape, seed, shape.quick_steps if _QUICK.value else shape.steps)
-      log_lines: list[str] = []
       with tempfile.TemporaryDirectory() as scratch:
         workdir = os.path.join(_KEEP.value, f'{name}_{seed}') if _KEEP.value else scratch
-        run.train(config, workdir, log=log_lines.append,
+        run.train(config, workdir, log=lambda line: None,
                   experiment=f'experiments/{shape.experiment}.py')
-        result = report(workdir, best_constants(config), log_lines)
+        result = report(workdir, best_constants(config))
       for agent, r in result.items():
         print(_row(name, seed, agent, r), flush=True)
       results.append(dict(shape=name, seed=seed, steps=config.steps, agents=result))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 
-RAISED = 0.5  # the intervention line: the bonus at least this share of entropy_coef ...
-RISE = 4  # ... and this multiple of its lowest value since the last line (or the start)
+# The intervention line: the agent's smoothed bonus (an exponential mean over about
+# SMOOTH updates: one batch with a wrong group is not a relapse) at least RAISED ×
+# entropy_coef and RISE × its lowest since the last line (or the start).
+RAISED, RISE, SMOOTH = 0.5, 4, 10
 
 
 class StallWatch:
@@ -28,7 +30,8 @@ class StallWatch:
                        'threshold in [0, 1] and a patience >= 1 updates.')
     self.threshold, self.patience = threshold, patience
     self._run: dict[str, int] = {}
-    self._low: dict[str, float] = {}  # each agent's lowest bonus since its last line
+    self._mean: dict[str, float] = {}  # each agent's smoothed bonus ...
+    self._low: dict[str, float] = {}  # ... and its lowest since the last line
 
   def update(self, agent: str, step: int, zero_spread: float, entropy: float = math.nan,
              accuracy: float = math.nan) -> str | None:
@@ -51,20 +54,25 @@ class StallWatch:
 
   def intervention(self, agent: str, step: int, bonus: float, entropy_coef: float,
                    entropy: float = math.nan, accuracy: float = math.nan) -> str | None:
-    """A line when the agent's entropy bonus (its mean over the update's tokens) has
-    risen to RISE × its lowest value since the last line (or the start) and to at least
-    RAISED × its `entropy_coef`: an agent that had learned is wrong again and is pushed
-    to explore. Once per rise; NaN (no update) is ignored."""
+    """A line when the agent's entropy bonus (its mean over the update's tokens),
+    smoothed over about SMOOTH updates, has risen to RISE × its lowest since the last
+    line (or the start) and to at least RAISED × its `entropy_coef`: an agent that had
+    learned is wrong again and is pushed to explore. Once per rise; NaN (no update) is
+    ignored."""
     if math.isnan(bonus):
       return None
-    low = min(self._low.get(agent, bonus), bonus)
+    mean = self._mean.get(agent, bonus)
+    mean += (bonus - mean) / SMOOTH
+    self._mean[agent] = mean
+    low = min(self._low.get(agent, mean), mean)
     self._low[agent] = low
-    if bonus < max(RISE * low, RAISED * entropy_coef) or bonus == 0:
+    if mean < max(RISE * low, RAISED * entropy_coef) or mean == 0:
       return None
-    self._low[agent] = bonus
+    self._low[agent] = mean
     ent = '' if math.isnan(entropy) else f' at policy entropy {entropy:.3f} nats/token'
     acc = '' if math.isnan(accuracy) else f' and accuracy {accuracy:.2f}'
     return (f'step {step}: agent {agent!r}: the framework raises its entropy bonus to '
-            f'{bonus:.3g} (from {low:.3g}, of at most entropy_coef={entropy_coef:.3g}){ent}'
-            f'{acc}: it is wrong again where it had been right, so it is pushed to explore '
-            'there. Nothing to do unless this repeats for long; then check the reward.')
+            f'{mean:.3g} (mean of recent updates; from {low:.3g}, of at most '
+            f'entropy_coef={entropy_coef:.3g}){ent}{acc}: it is wrong again where it had been '
+            'right, so it is pushed to explore there. Nothing to do unless this repeats for '
+            'long; then check the reward.')
