@@ -21,7 +21,7 @@ team at another base. Small variants (a few steps each, a smoke test):
 
 import ml_collections
 
-from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, rollout_config
 
 FAMILIES = ('reverse', 'sort', 'add')  # most frequent first (Zipf skew)
 TEAM = {'reverse': 'reverser', 'sort': 'sorter', 'add': 'adder'}
@@ -33,7 +33,6 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 1500 if base else 600
-  steps = config.get_ref('steps')
   config.schedule = 'flexmarl'
   config.tokenizer = 'char'
   config.max_prompt_len = 8
@@ -51,17 +50,14 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.rollout = rollout_config(devices='separate', query_concurrency=24,
                                   max_step_queries=96)
 
-  def agent(group_size: int, global_batch: int, learning_rate: float,
-            entropy_coef: float = 0.1) -> ml_collections.ConfigDict:
+  def agent(group_size: int, global_batch: int, learning_rate: float
+            ) -> ml_collections.ConfigDict:
+    # GRPO at the library's defaults (no per-agent tuning).
     return agent_config(
         'tiny', group_size=group_size, global_batch=global_batch,
         micro_batch=global_batch // 2,
         sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=3),
-        optimizer=dict(learning_rate=learning_rate, b1=0.9, b2=0.99, weight_decay=0.0,
-                       max_grad_norm=1.0, decay_steps=part_of_run(steps),
-                       final_lr_fraction=0.1),
-        grpo=dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=entropy_coef,
-                  entropy_decay_steps=part_of_run(steps, 8, 15), normalize_std=True))
+        optimizer=dict(learning_rate=learning_rate))
 
   if base:
     # One agent sees every query twice (its route, then its answer): the team's batches
@@ -69,13 +65,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     config.agents = dict(generalist=agent(group_size=8, global_batch=256, learning_rate=3e-3))
   else:
     # Adapters learn at a higher rate than full weights (the usual LoRA setting).
-    def adapter(group_size: int, global_batch: int, entropy_coef: float = 0.1):
-      a = agent(group_size, global_batch, 1e-2, entropy_coef)
+    def adapter(group_size: int, global_batch: int):
+      a = agent(group_size, global_batch, 1e-2)
       a.model.checkpoint = BASE
       a.model.lora = dict(rank=16, alpha=32.0)
       return a
     config.agents = dict(router=adapter(4, 96), reverser=adapter(8, 96),
-                         sorter=adapter(8, 48, entropy_coef=0.2), adder=adapter(8, 32))
+                         sorter=adapter(8, 48), adder=adapter(8, 32))
     # One instance (on a device of its own) serves all four adapters over one base copy.
     config.rollout.adapter_groups = [['router', 'reverser', 'sorter', 'adder']]
 

@@ -12,7 +12,7 @@ its training device (`rollout.devices=shared`, 7 devices).
 
 import ml_collections
 
-from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, rollout_config
 
 # Zipf exponent 0.6 over six families: 30, 20, 15.5, 13, 11.4 and 10.2% of the queries.
 ZIPF = 0.6
@@ -22,7 +22,6 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 400
-  steps = config.get_ref('steps')  # the schedules below follow `--config.steps`
   config.schedule = 'flexmarl'
   config.tokenizer = 'char'
   config.max_prompt_len = 8
@@ -48,14 +47,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
 
   def agent(group_size: int, global_batch: int, micro_batch: int,
             max_new_tokens: int) -> ml_collections.ConfigDict:
-    # As in the default experiment: an entropy bonus annealed over the first 8/15 of
-    # the run, and a learning rate that decays to 10%.
+    # GRPO and the optimizer at the library's defaults (no per-agent tuning).
     return agent_config(
         'tiny', group_size=group_size, global_batch=global_batch, micro_batch=micro_batch,
-        sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens),
-        optimizer=dict(learning_rate=3e-3, decay_steps=part_of_run(steps),
-                       final_lr_fraction=0.1),
-        grpo=dict(clip_eps=0.2, entropy_coef=0.1, entropy_decay_steps=part_of_run(steps, 8, 15)))
+        sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens))
 
   # Global batches follow the expected load of a 40-query step (the rarest specialist's
   # 32 rows are 4 queries, a tenth of 40): rows = share x 40 queries x group size.

@@ -9,14 +9,13 @@ Smoke run: `--config=experiments/solver_verifier.py:runlocal`.
 
 import ml_collections
 
-from flexmarl.config import agent_config, cluster_config, part_of_run, rollout_config
+from flexmarl.config import agent_config, cluster_config, rollout_config
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.steps = 400
-  steps = config.get_ref('steps')  # the entropy schedule follows `--config.steps`
   config.schedule = 'flexmarl'
   config.tokenizer = 'char'
   config.max_prompt_len = 10
@@ -26,12 +25,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                          family='add', task_args={'max_operand': 4})
   config.rollout = rollout_config(devices='separate', query_concurrency=8,  # 2 + 2 devices
                                   max_step_queries=32)
-  grpo = dict(clip_eps=0.2, kl_coef=0.0, entropy_coef=0.1,
-              entropy_decay_steps=part_of_run(steps, 3, 4), normalize_std=True)
+  # GRPO and the optimizer at the library's defaults (no per-agent tuning).
   config.agents = dict(
-      solver=agent_config('tiny', group_size=8, global_batch=64, micro_batch=32, grpo=grpo,
+      solver=agent_config('tiny', group_size=8, global_batch=64, micro_batch=32,
                           sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2)),
-      verifier=agent_config('tiny', group_size=2, global_batch=128, micro_batch=32, grpo=grpo,
+      verifier=agent_config('tiny', group_size=2, global_batch=128, micro_batch=32,
                             sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2)),
   )
   if arg == 'runlocal':

@@ -34,7 +34,7 @@ SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
 PLACEMENT_POLICIES = ('fit', 'strict')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
-           'agent_config', 'rollout_config', 'training_config', 'cluster_config', 'part_of_run',
+           'agent_config', 'rollout_config', 'training_config', 'cluster_config',
            'build_team_spec', 'parse_schedule']
 
 
@@ -58,16 +58,6 @@ class TeamSpec:
   # store_keep_steps (but those a kept checkpoint carries); 0 keeps every row.
   store_keep_steps: int = 0
   cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
-
-
-def part_of_run(steps: ml_collections.FieldReference, num: int = 1, den: int = 1
-                ) -> ml_collections.FieldReference:
-  """A schedule length that follows the run's length: `num/den` of `config.get_ref('steps')`.
-
-  `--config.steps=300` changes it too; setting the field itself (a derived reference)
-  replaces it without touching `steps`.
-  """
-  return steps * num // den
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
