@@ -133,15 +133,6 @@ def test_unknown_section_field():
     agent_config('tiny', grpo=dict(clip=0.1))
 
 
-def test_schedules_follow_steps():
-  c = hierarchical_assistant.get_config()
-  c.steps = 300
-  assert c.agents.router.optimizer.decay_steps == 300
-  assert c.agents.router.grpo.entropy_decay_steps == 160
-  c.agents.router.optimizer.decay_steps = 50  # set on its own: the run keeps its length
-  assert (c.steps, c.agents.adder.optimizer.decay_steps) == (300, 300)
-
-
 # -- rollout.backend=vllm: the install and what the engine serves, checked with the config --
 
 def test_a_broken_vllm_install_is_refused_with_the_line_that_mends_it(tmp_path, monkeypatch):

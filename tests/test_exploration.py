@@ -122,6 +122,21 @@ def test_intervention_line_for_a_lasting_rise_only():
   assert RAISED * 0.2 == 0.1
 
 
+@pytest.mark.parametrize('experiment', ['hierarchical_assistant', 'solver_verifier',
+                                        'planner_workers_judge', 'debate', 'chain',
+                                        'router_six'])
+def test_shipped_experiments_train_on_the_library_defaults(experiment):
+  """No per-agent GRPO or optimizer tuning in the shipped experiments: what the
+  robustness suite measures is what they run."""
+  import importlib
+  from flexmarl.config import agent_config
+  config = importlib.import_module(f'experiments.{experiment}').get_config()
+  defaults = agent_config()
+  for name, agent in config.agents.items():
+    assert agent.grpo.to_dict() == defaults.grpo.to_dict(), (experiment, name)
+    assert agent.optimizer.to_dict() == defaults.optimizer.to_dict(), (experiment, name)
+
+
 def test_bad_or_retired_entropy_fields_are_refused_naming_the_field():
   with pytest.raises(ConfigError, match='agents.a.grpo.entropy_coef'):
     GRPOConfig.from_config('agents.a.grpo', {'entropy_coef': -0.1}, 1.0, 2)
