@@ -161,7 +161,10 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   c.rollout = dict(query_concurrency=2, max_step_queries=8, devices='shared')
   c.agents = {name: agent_config('tiny', group_size=4, global_batch=8, micro_batch=8,
                                  sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2),
-                                 grpo=dict(kl_coef=0.1, entropy_coef=0.1))
+                                 # A step even from a batch without signal:
+                                 # one step must move the weights.
+                                 grpo=dict(kl_coef=0.1, entropy_coef=0.1,
+                                           skip_without_signal=False))
               for name in ('solver', 'verifier')}
   c.agents.solver.model.checkpoint = folder
   c.training = training_config(pool_devices=2)
