@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
