@@ -29,6 +29,7 @@ from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.state import InStorage, OnHost
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig
+from test_resume import assert_same_run
 from test_schedules import _config as schedule_config
 from test_team import two_agent_config
 from test_train_state import _batch
@@ -436,3 +437,21 @@ def test_bad_base_and_adapter_configs_are_refused(model, needles):
     build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
   for needle in needles:
     assert needle in str(err.value), str(err.value)
+
+
+def test_a_resumed_lora_team_is_the_uninterrupted_one(tmp_path):
+  """A LoRA solver beside a full verifier, stopped at its step-2 checkpoint and resumed, ends
+  where the uninterrupted run ends: metrics lines and parameters (the checkpoints hold the
+  adapters only, and the resumed run rebuilds the same frozen base from its seed)."""
+  config = two_agent_config(steps=4)
+  config.schedule, config.checkpoint_every = 'flexmarl', 2
+  config.agents.solver.model.lora = dict(rank=8, alpha=16.0, targets=('q', 'v', 'up'))
+  straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
+  train(config, straight, log=lambda *_: None)
+  config.steps = 2
+  train(config, resumed, log=lambda *_: None)
+  config.steps = 4
+  logs = []
+  train(config, resumed, log=logs.append)
+  assert any('resumed from step 2' in str(l) for l in logs)
+  assert_same_run(straight, resumed, 4)
