@@ -181,7 +181,8 @@ class Agent:
       self.accumulate(micro)
     version = self.version
     dispatched = []
-    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch])
+    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch],
+                                 [g.correct for g in batch])
 
     def step() -> None:
       dispatched.append(self.trainer.dispatch_apply(takes_step))

@@ -23,7 +23,8 @@ Options from the field, all per agent:
   agent exploring where it is still wrong and fades where it is right. It can also be
   annealed to 0 over a number of updates (`entropy_decay_steps`).
 - No optimizer step from a batch without advantage signal (`skip_without_signal`, on
-  by default; `takes_step`).
+  by default; `takes_step`), unless it is mostly wrong (`unstick_below`): a collapsed
+  policy then steps on the bonus alone.
 """
 
 from __future__ import annotations
@@ -91,27 +92,34 @@ def entropy_weights(cfg: GRPOConfig, correct: Sequence[np.ndarray]) -> np.ndarra
   return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
 
-def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray]) -> bool:
-  """Whether a global batch gets an optimizer step, from its groups' advantages.
+def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
+               correct: Sequence[np.ndarray]) -> bool:
+  """Whether a global batch gets an optimizer step, from its groups' advantages and
+  their rows' correctness (1.0 / 0.0, NaN where the workflow did not say).
 
   A batch whose groups all had equal rewards has zero advantages; what is left of its
   gradient is the entropy bonus (and the KL term). Adam divides by the gradient's own
   scale, so that remainder, however small, still moves every parameter by about a
   learning rate (measured: the same step for entropy_coef 0.1 and 1e-6), and Adam's
-  momentum moves them on even at a zero gradient. Measured, both ways it goes wrong:
+  momentum moves them on even at a zero gradient. Measured, that goes wrong for a
+  policy that is mostly right:
   - all right: a solved policy drifts until an answer flips, and once the wrong answer
     is certain the groups agree again and GRPO cannot correct it;
   - some wrong: the bonus on a few stuck rows, blown up to a full step, pushes the
     whole policy toward randomness, which makes more rows wrong and raises the bonus
-    (a y/n verifier driven to uniform answers over the vocabulary; a sorter that had
-    reached 0.88 unlearning to 0.5).
+    (a sorter that had reached 0.88 unlearning to 0.5).
   So such a batch is skipped (no moment update, no parameter change; the agent's
-  version still advances). The bonus acts through batches that have a signal: there
-  it is one term among GRPO's, and keeps the agent exploring where it is wrong.
+  version still advances), unless most of its rows are wrong (accuracy below
+  `unstick_below`): then the policy has collapsed onto a wrong answer (a y/n verifier
+  that says "n" to a solver that has become right: every group of two agrees), no
+  batch will ever have a signal again, and a step on the bonus alone, which spreads the
+  policy until its groups differ, is the only way out; there is little left to lose.
   """
-  if not cfg.skip_without_signal:
+  if not cfg.skip_without_signal or not all(np.all(np.asarray(a) == 0) for a in advantages):
     return True
-  return not all(np.all(np.asarray(a) == 0) for a in advantages)
+  rows = np.concatenate([np.asarray(c, np.float64).reshape(-1) for c in correct] or [[]])
+  known = rows[~np.isnan(rows)]
+  return bool(known.size) and float(known.mean()) < cfg.unstick_below
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
