@@ -143,7 +143,7 @@ class JointOrchestrator:
       return 0
     for name, agent in self.agents.items():
       meta = metas[name]
-      agent.restore(states[name], meta['version'])
+      agent.restore(states[name], meta['version'], meta.get('stuck_run', 0))
       self.next_query = meta['next_query']
       groups = self._carried_groups(name, step, meta['buffer'], log)
       self.schedule.carry(name, groups)
@@ -188,7 +188,7 @@ class JointOrchestrator:
     carried = self.schedule.carried()
     for name, agent in self.agents.items():
       agent.checkpointer.save(self.step, agent.train_state(),
-                              dict(meta, version=agent.version,
+                              dict(meta, version=agent.version, stuck_run=agent.stuck_run,
                                    buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():
       agent.checkpointer.wait()

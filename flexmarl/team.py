@@ -91,6 +91,7 @@ class Agent:
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
     self.version = 0  # updates so far: the version of the trainer's parameters
+    self.stuck_run = 0  # the last batches in a row that were `grpo.stuck`
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
 
@@ -121,12 +122,12 @@ class Agent:
       self.engine.wait(self.name)
     return self.trainer.train_state()
 
-  def restore(self, train_state: dict, version: int) -> None:
+  def restore(self, train_state: dict, version: int, stuck_run: int = 0) -> None:
     """Take a checkpoint's state as version `version` and serve it."""
     if self.engine is not None:
       self.engine.wait(self.name)  # a copy in flight would overwrite it
     self.trainer.load_train_state(train_state)
-    self.version = version
+    self.version, self.stuck_run = version, stuck_run
     self._unpublished = Weights(self.trainer.params, version)
     self.publish()
 
@@ -181,8 +182,11 @@ class Agent:
       self.accumulate(micro)
     version = self.version
     dispatched = []
-    takes_step = grpo.takes_step(self.spec.grpo, [g.advantages for g in batch],
-                                 [g.correct for g in batch])
+    advantages = [g.advantages for g in batch]
+    stuck = grpo.stuck(self.spec.grpo, advantages, [g.correct for g in batch])
+    self.stuck_run = self.stuck_run + 1 if stuck else 0
+    takes_step = grpo.takes_step(self.spec.grpo, advantages, self.stuck_run)
+    stuck_run = self.stuck_run
 
     def step() -> None:
       dispatched.append(self.trainer.dispatch_apply(takes_step))
@@ -197,7 +201,8 @@ class Agent:
 
     def finish() -> Stats:
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
-                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()))
+                   staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
+                   stuck_run=stuck_run)
       if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True

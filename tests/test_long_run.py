@@ -114,21 +114,23 @@ def test_a_skipped_step_leaves_params_and_adam_state_unchanged():
 
 def test_the_step_decision_by_hand():
   on, off = grpo.GRPOConfig(), grpo.GRPOConfig(skip_without_signal=False)
-  never = grpo.GRPOConfig(unstick_below=0.0)
-  assert on.skip_without_signal and on.unstick_below == 0.5  # the defaults
+  never = grpo.GRPOConfig(unstick_after=0)
+  assert on.skip_without_signal and (on.unstick_below, on.unstick_after) == (0.5, 5)
   zero = np.zeros(4)
   spread = np.array([0.5, -0.5, 0.5, -0.5])
   right, wrong, unknown = np.ones(4), np.zeros(4), np.full(4, np.nan)
-  assert grpo.takes_step(on, [zero, spread], [right, wrong])  # a group with signal
-  assert not grpo.takes_step(on, [zero, zero], [right, right])  # no signal, solved: skip
-  assert not grpo.takes_step(on, [zero, zero], [right, wrong])  # half right: skip
-  # mostly wrong and no signal: collapsed onto a wrong answer, step on the bonus alone
-  assert grpo.takes_step(on, [zero, zero], [wrong, wrong])
-  assert grpo.takes_step(on, [zero, zero, zero], [right, wrong, wrong])
-  assert not grpo.takes_step(never, [zero, zero], [wrong, wrong])
-  assert not grpo.takes_step(on, [zero, zero], [unknown, unknown])  # nothing known: skip
-  assert grpo.takes_step(on, [zero, zero], [unknown, wrong])  # judged on the rows known
-  assert grpo.takes_step(off, [zero, zero], [right, right])
+  assert grpo.takes_step(on, [zero, spread], 0)  # a group with signal
+  assert not grpo.takes_step(on, [zero, zero], 0)  # no signal: skip
+  assert grpo.takes_step(off, [zero, zero], 0)
+  # Stuck: no signal and mostly wrong, judged on the rows whose correctness is known.
+  assert not grpo.stuck(on, [zero, spread], [wrong, wrong])
+  assert not grpo.stuck(on, [zero, zero], [right, wrong])  # half right
+  assert grpo.stuck(on, [zero, zero, zero], [right, wrong, wrong])
+  assert not grpo.stuck(on, [zero, zero], [unknown, unknown])
+  assert grpo.stuck(on, [zero, zero], [unknown, wrong])
+  # Stuck batches step on the bonus alone only after `unstick_after` in a row.
+  assert [grpo.takes_step(on, [zero], run) for run in range(1, 8)] == [False] * 4 + [True] * 3
+  assert not grpo.takes_step(never, [zero], 100)
 
 
 def test_a_long_trace_keeps_a_window_of_recent_steps_and_stays_valid(tmp_path):

@@ -23,8 +23,9 @@ Options from the field, all per agent:
   agent exploring where it is still wrong and fades where it is right. It can also be
   annealed to 0 over a number of updates (`entropy_decay_steps`).
 - No optimizer step from a batch without advantage signal (`skip_without_signal`, on
-  by default; `takes_step`), unless it is mostly wrong (`unstick_below`): a collapsed
-  policy then steps on the bonus alone.
+  by default; `takes_step`), unless the agent's batches have been mostly wrong without
+  a signal several times in a row (`unstick_below`, `unstick_after`): a collapsed policy
+  then steps on the bonus alone.
 """
 
 from __future__ import annotations
@@ -92,10 +93,21 @@ def entropy_weights(cfg: GRPOConfig, correct: Sequence[np.ndarray]) -> np.ndarra
   return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
 
-def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
-               correct: Sequence[np.ndarray]) -> bool:
-  """Whether a global batch gets an optimizer step, from its groups' advantages and
-  their rows' correctness (1.0 / 0.0, NaN where the workflow did not say).
+def stuck(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
+          correct: Sequence[np.ndarray]) -> bool:
+  """Whether a global batch looks like a policy collapsed onto a wrong answer: no
+  advantage signal (every group's rewards equal) and most rows wrong (exact-match rate
+  below `unstick_below`, over the rows whose correctness the workflow gave)."""
+  if not all(np.all(np.asarray(a) == 0) for a in advantages):
+    return False
+  rows = np.concatenate([np.asarray(c, np.float64).reshape(-1) for c in correct] or [[]])
+  known = rows[~np.isnan(rows)]
+  return bool(known.size) and float(known.mean()) < cfg.unstick_below
+
+
+def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray], stuck_run: int) -> bool:
+  """Whether a global batch gets an optimizer step, from its groups' advantages and the
+  number of the agent's batches in a row, this one included, that were `stuck`.
 
   A batch whose groups all had equal rewards has zero advantages; what is left of its
   gradient is the entropy bonus (and the KL term). Adam divides by the gradient's own
@@ -107,19 +119,18 @@ def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
     is certain the groups agree again and GRPO cannot correct it;
   - some wrong: the bonus on a few stuck rows, blown up to a full step, pushes the
     whole policy toward randomness, which makes more rows wrong and raises the bonus
-    (a sorter that had reached 0.88 unlearning to 0.5).
+    (a sorter that had reached 0.88 unlearning to 0.5; also from single small batches
+    that were wrong by chance).
   So such a batch is skipped (no moment update, no parameter change; the agent's
-  version still advances), unless most of its rows are wrong (accuracy below
-  `unstick_below`): then the policy has collapsed onto a wrong answer (a y/n verifier
-  that says "n" to a solver that has become right: every group of two agrees), no
-  batch will ever have a signal again, and a step on the bonus alone, which spreads the
-  policy until its groups differ, is the only way out; there is little left to lose.
+  version still advances), unless the agent has been stuck for `unstick_after` batches
+  in a row: then its policy has collapsed onto a wrong answer (a y/n verifier that says
+  "n" to a solver that has become right: every group of two agrees), no batch will have
+  a signal again, and a step on the bonus alone, which spreads the policy until its
+  groups differ, is the only way out.
   """
   if not cfg.skip_without_signal or not all(np.all(np.asarray(a) == 0) for a in advantages):
     return True
-  rows = np.concatenate([np.asarray(c, np.float64).reshape(-1) for c in correct] or [[]])
-  known = rows[~np.isnan(rows)]
-  return bool(known.size) and float(known.mean()) < cfg.unstick_below
+  return bool(cfg.unstick_after) and stuck_run >= cfg.unstick_after
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

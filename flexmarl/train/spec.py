@@ -66,9 +66,11 @@ class GRPOConfig:
   dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal.
   # No optimizer step from a batch whose advantages are all 0 (see grpo.takes_step) ...
   skip_without_signal: bool = True
-  # ... unless its rows are mostly wrong (accuracy below this): a policy collapsed onto a
-  # wrong answer has groups that all agree, and only the bonus can move it. 0: never.
+  # ... unless the agent's batches were mostly wrong (accuracy below `unstick_below`) and
+  # without signal `unstick_after` times in a row: a policy collapsed onto a wrong answer
+  # has groups that all agree, and only the bonus can move it. unstick_after=0: never.
   unstick_below: float = 0.5
+  unstick_after: int = 5
   # From the agent's sampling section:
   temperature: float = dataclasses.field(default=1.0, metadata=DERIVED)  # of the logprobs
   max_new_tokens: int = dataclasses.field(default=0, metadata=DERIVED)  # 'constant' normaliser
@@ -95,7 +97,8 @@ class GRPOConfig:
       in_range(f'{field}.{key}', getattr(g, key), 0.0, math.inf, 'must be >= 0.')
     whole_number(f'{field}.entropy_decay_steps', g.entropy_decay_steps, 0)
     in_range(f'{field}.unstick_below', g.unstick_below, 0.0, 1.0,
-             'is an accuracy: 0 (never step on the bonus alone) to 1.')
+             'is an accuracy, 0 to 1.')
+    whole_number(f'{field}.unstick_after', g.unstick_after, 0)
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     return g
 
