@@ -102,7 +102,9 @@ def vllm_demand(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str
   if rollout.backend != 'vllm':
     return 0, None
   vocab = _vocab(config, vocab_size)
-  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents)
+  served_with = {n for group in rollout.adapter_groups for n in group[1:]}  # group's engines
+  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents
+                if n not in served_with)
   return engines, rollout.vllm.get('gpu_memory_utilization')
 
 
@@ -113,10 +115,11 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
   max_model_len = engine_config(**rollout.vllm).max_model_len
   for name, a in agents.items():
     f = f'agents.{name}'
-    if a.model.lora.rank:
+    ranks = vllm_check.lora_ranks()
+    if a.model.lora.rank > max(ranks):
       fail(f'{f}.model.lora.rank', a.model.lora.rank,
-           'LoRA agents are not supported with the vLLM backend yet; use '
-           'rollout.backend=embedded, or rank 0 (a full-parameter agent).')
+           f'vLLM serves LoRA adapters of rank up to {max(ranks)}; give a lower rank, or use '
+           'rollout.backend=embedded.')
     if sizes is not None and a.model.head_dim not in sizes:
       fail(f'{f}.model.head_dim', a.model.head_dim,
            f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '

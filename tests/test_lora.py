@@ -298,12 +298,17 @@ def test_bad_lora_configs_are_refused(lora_section, needles):
     assert needle in str(err.value), str(err.value)
 
 
-def test_vllm_refuses_a_lora_agent():
+def test_vllm_refuses_a_lora_rank_it_cannot_serve():
+  """vLLM serves LoRA agents up to its largest max_lora_rank; a rank above is refused
+  with the config, naming the field and the limit."""
+  vllm_check = pytest.importorskip('flexmarl.rollout.vllm_check')
+  pytest.importorskip('vllm', reason='the vLLM backend is not installed')
   c = two_agent_config(steps=2)
-  c.agents.solver.model.lora = dict(rank=8)
   c.rollout.backend = 'vllm'
-  with pytest.raises(ConfigError, match=r'agents.solver.model.lora.rank=8.*not supported '
-                     r'with the vLLM backend yet.*rollout.backend=embedded'):
+  top = max(vllm_check.lora_ranks())
+  c.agents.solver.model.lora = dict(rank=top + 1)
+  with pytest.raises(ConfigError, match=rf'agents.solver.model.lora.rank={top + 1}.*rank up '
+                     rf'to {top}.*rollout.backend=embedded'):
     build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
 
 
