@@ -125,6 +125,13 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
            f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '
            f'(model.head_dim, or a model.checkpoint with such heads), or use '
            'rollout.backend=embedded.')
+    if a.model.qkv_bias and a.model.heads * a.model.head_dim != a.model.hidden:
+      fail(f'{f}.model.head_dim', a.model.head_dim,
+           f'a model with q/k/v biases is served as Qwen2, which vLLM builds with head_dim = '
+           f'hidden / heads = {a.model.hidden // a.model.heads}; give model.head_dim='
+           f'{a.model.hidden // a.model.heads} (or heads and hidden that make it), '
+           'model.qkv_bias=False (served as Llama, which keeps head_dim), or use '
+           'rollout.backend=embedded.')
     if a.sampling.top_p < 1:
       fail(f'{f}.sampling.top_p', a.sampling.top_p, 'the vLLM backend reports the logprobs '
            'the trainer uses only without top-p; set top_p=1.0 or use rollout.backend=embedded.')

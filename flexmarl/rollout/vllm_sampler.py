@@ -156,6 +156,7 @@ class VLLMSampler:
     self._log = log
     self._params = params
     self._llm = None
+    self._closed = False
     self._check_head_dim()
     for agent, slot in self.slots.items():
       self._write_adapter(slot, named[agent].params)
@@ -203,6 +204,10 @@ class VLLMSampler:
                              banned_ids).result()
 
   def close(self) -> None:
+    """Stop the engine; again: nothing (a shared engine is closed by each of its agents)."""
+    if self._closed:
+      return
+    self._closed = True
     self._pool.submit(self._stop).result()
     self._pool.shutdown()
 
