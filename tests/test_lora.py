@@ -298,20 +298,6 @@ def test_bad_lora_configs_are_refused(lora_section, needles):
     assert needle in str(err.value), str(err.value)
 
 
-def test_vllm_refuses_a_lora_rank_it_cannot_serve():
-  """vLLM serves LoRA agents up to its largest max_lora_rank; a rank above is refused
-  with the config, naming the field and the limit."""
-  vllm_check = pytest.importorskip('flexmarl.rollout.vllm_check')
-  pytest.importorskip('vllm', reason='the vLLM backend is not installed')
-  c = two_agent_config(steps=2)
-  c.rollout.backend = 'vllm'
-  top = max(vllm_check.lora_ranks())
-  c.agents.solver.model.lora = dict(rank=top + 1)
-  with pytest.raises(ConfigError, match=rf'agents.solver.model.lora.rank={top + 1}.*rank up '
-                     rf'to {top}.*rollout.backend=embedded'):
-    build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
-
-
 def test_agents_of_one_base_share_one_copy_per_device_group(tmp_path):
   """Three LoRA agents on one base: one copy per mesh, referenced by each; states hold
   adapters; training and swaps leave the base bit-identical; a full agent beside them

@@ -16,15 +16,18 @@ from flax import nnx
 
 pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requirements-vllm.txt)')
 
+from flexmarl.config import ConfigError, build_team_spec  # noqa: E402
 from flexmarl.models import lora  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout.pool import Instance  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
+from flexmarl.rollout import vllm_check  # noqa: E402
 from flexmarl.rollout.vllm_sampler import (VLLMEngineConfig, VLLMSampler,  # noqa: E402
                                            VLLMSharedAdapters)
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
 from flexmarl.train.loss import response_logprobs  # noqa: E402
+from test_team import two_agent_config  # noqa: E402
 
 TOK = build_char_tokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, heads=2, kv_heads=1, head_dim=32,
@@ -158,3 +161,30 @@ def test_a_publish_reloads_one_agents_adapter_only(shared):
   assert not np.array_equal(after.tokens[is_b], before.tokens[is_b])
   with pytest.raises(ValueError, match=r"agents: give one of \['a', 'b', 'c'\]"):
     shared.submit(PROMPTS, _keys(0), PARAMS, ['a'] * (len(PROMPTS) - 1) + ['z'])
+
+
+TOP_RANK = max(vllm_check.lora_ranks())
+
+
+@pytest.mark.parametrize('change, needles', [
+    (dict(lora=dict(rank=8), head_dim=32, heads=2), None),  # served: accepted
+    (dict(lora=dict(rank=TOP_RANK + 1), head_dim=32, heads=2),
+     [f'agents.solver.model.lora.rank={TOP_RANK + 1}', f'rank up to {TOP_RANK}',
+      'rollout.backend=embedded']),
+    (dict(lora=dict(rank=8), head_dim=32, heads=4),  # hidden 64: vLLM's Qwen2 takes 16
+     ['agents.solver.model.head_dim=32', 'model.head_dim=16', 'model.qkv_bias=False']),
+])
+def test_config_refuses_only_what_vllm_cannot_serve(change, needles):
+  c = two_agent_config(steps=2)
+  c.rollout.backend = 'vllm'
+  for name in ('solver', 'verifier'):
+    for key, value in change.items():
+      setattr(c.agents[name].model, key, value)
+  if needles is None:
+    spec = build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+    assert spec.agents['solver'].model.lora.rank == 8
+    return
+  with pytest.raises(ConfigError) as err:
+    build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
+  for needle in needles:
+    assert needle in str(err.value), str(err.value)
