@@ -152,7 +152,8 @@ class VLLMSampler:
     self.restarts = 0  # after a crash
     self.starts = self.syncs = 0  # engine starts (the first included), weight syncs
     self.last_sync_s = 0.0
-    self.in_place = False  # whether weight syncs copy into the model (else: full reload)
+    # whether weight syncs copy into the model (else: a full reload; LoRA: never needed)
+    self.in_place = False
     self._log = log
     self._params = params
     self._llm = None
@@ -182,6 +183,9 @@ class VLLMSampler:
     """Serve `state` (trainer params, pure dict) from now on, without a restart; waits
     for batches submitted earlier. Its duration is kept in `last_sync_s`. A LoRA
     model's base is frozen: only its adapter is reloaded."""
+    if len(self.slots) > 1:
+      raise ValueError(f'this engine serves the adapters of {list(self.slots)}: publish each '
+                       'agent\'s with load_adapter.')
     self._pool.submit(self._update, state, version).result()
 
   def load_adapter(self, agent: str, state: dict, version: int) -> None:
