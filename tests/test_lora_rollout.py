@@ -218,7 +218,7 @@ def test_vllm_serves_a_group_from_the_first_agents_engines():
   c = _three(2, shared=True)
   c.rollout.backend = 'vllm'
   for name in TEAM:
-    c.agents[name].model.head_dim = 32
+    c.agents[name].model.head_dim, c.agents[name].model.heads = 32, 2  # vLLM on CPU: >= 32
   spec = _spec(c)
   assert set(spec.placement.group_of('judge')) == set(TEAM)
   assert vllm_demand(c, 20)[0] == spec.agents['planner'].instances

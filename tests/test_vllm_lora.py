@@ -171,8 +171,6 @@ TOP_RANK = max(vllm_check.lora_ranks())
     (dict(lora=dict(rank=TOP_RANK + 1), head_dim=32, heads=2),
      [f'agents.solver.model.lora.rank={TOP_RANK + 1}', f'rank up to {TOP_RANK}',
       'rollout.backend=embedded']),
-    (dict(lora=dict(rank=8), head_dim=32, heads=4),  # hidden 64: vLLM's Qwen2 takes 16
-     ['agents.solver.model.head_dim=32', 'model.head_dim=16', 'model.qkv_bias=False']),
 ])
 def test_config_refuses_only_what_vllm_cannot_serve(change, needles):
   c = two_agent_config(steps=2)
