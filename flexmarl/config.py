@@ -113,12 +113,12 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
   """What a vLLM engine would refuse when it starts or serves, refused with the config."""
   sizes = vllm_check.cpu_head_sizes()
   max_model_len = engine_config(**rollout.vllm).max_model_len
+  top_rank = max(vllm_check.lora_ranks())
   for name, a in agents.items():
     f = f'agents.{name}'
-    ranks = vllm_check.lora_ranks()
-    if a.model.lora.rank > max(ranks):
+    if a.model.lora.rank > top_rank:
       fail(f'{f}.model.lora.rank', a.model.lora.rank,
-           f'vLLM serves LoRA adapters of rank up to {max(ranks)}; give a lower rank, or use '
+           f'vLLM serves LoRA adapters of rank up to {top_rank}; give a lower rank, or use '
            'rollout.backend=embedded.')
     if sizes is not None and a.model.head_dim not in sizes:
       fail(f'{f}.model.head_dim', a.model.head_dim,
