@@ -12,7 +12,6 @@ and reloads it under the same id (`VLLMSampler.update_weights`); the base is not
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 
