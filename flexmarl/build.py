@@ -28,7 +28,7 @@ from flexmarl.metrics import spans
 from flexmarl.models import hf, peft, sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
-from flexmarl.rollout.adapters import SharedAdapterSampler
+from flexmarl.rollout.adapters import AdapterSampler, SharedAdapterSampler
 from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool, Retarget
@@ -47,7 +47,7 @@ from flexmarl.train.trainer import AgentTrainer
 # (devices, weights) -> a sampler of one agent's model on those devices serving them.
 MakeSampler = Callable[[tuple[int, ...], Weights], Sampler]
 # (devices, each agent's weights) -> one sampler serving a group's adapters there.
-MakeShared = Callable[[tuple[int, ...], Mapping[str, Weights]], SharedAdapterSampler]
+MakeShared = Callable[[tuple[int, ...], Mapping[str, Weights]], AdapterSampler]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +158,19 @@ def vllm_sampler_on(spec: TeamSpec, name: str, tokenizer: TextTokenizer, workdir
       engine=engine_config(**spec.rollout.vllm), version=weights.version)
 
 
+def vllm_shared_on(spec: TeamSpec, names: Sequence[str], tokenizer: TextTokenizer,
+                   workdir: str, devices: tuple[int, ...], weights: Mapping[str, Weights]
+                   ) -> AdapterSampler:
+  """One vLLM engine serving the adapters of group `names` over their base
+  (rollout.adapter_groups under rollout.backend=vllm)."""
+  from flexmarl.rollout import vllm_sampler  # the optional extra
+  return vllm_sampler.VLLMSharedAdapters(
+      spec.agents[names[0]].model, weights,
+      workdir=os.path.join(workdir, 'vllm', '+'.join(names), '-'.join(map(str, devices))),
+      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
+      engine=engine_config(**spec.rollout.vllm))
+
+
 def vllm_retarget(model: ModelConfig, tokenizer: TextTokenizer) -> Retarget:
   """How an agent of `model` takes over another agent's vLLM instance: one weight sync
   into the running engine when the architectures match (`VLLMSampler.serve`)."""
@@ -205,13 +218,16 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
     return make
 
   def shared_sampler(names: Sequence[str], trainers: Mapping[str, AgentTrainer]) -> MakeShared:
-    """One embedded sampler of a group's adapters over their base (one copy per
+    """One sampler of a group's adapters over their base: a vLLM engine
+    (rollout.backend=vllm), or the embedded sampler (one copy of the base per
     instance's device group, the one their trainers share there)."""
     a, first = spec.agents[names[0]], trainers[names[0]]
     tokenizer = tokenizers[names[0]]
+    if spec.rollout.backend == 'vllm':
+      return functools.partial(vllm_shared_on, spec, tuple(names), tokenizer, workdir)
     generate_fn = compiled.setdefault(a.model, compile_generate(first.graphdef))
 
-    def make(devices: tuple[int, ...], weights: Mapping[str, Weights]) -> SharedAdapterSampler:
+    def make(devices: tuple[int, ...], weights: Mapping[str, Weights]) -> AdapterSampler:
       mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
       return SharedAdapterSampler(
           first.graphdef, a.model.lora, weights,

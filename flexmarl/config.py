@@ -102,7 +102,9 @@ def vllm_demand(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str
   if rollout.backend != 'vllm':
     return 0, None
   vocab = _vocab(config, vocab_size)
-  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents)
+  served_with = {n for group in rollout.adapter_groups for n in group[1:]}  # group's engines
+  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents
+                if n not in served_with)
   return engines, rollout.vllm.get('gpu_memory_utilization')
 
 
@@ -111,16 +113,24 @@ def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
   """What a vLLM engine would refuse when it starts or serves, refused with the config."""
   sizes = vllm_check.cpu_head_sizes()
   max_model_len = engine_config(**rollout.vllm).max_model_len
+  top_rank = max(vllm_check.lora_ranks())
   for name, a in agents.items():
     f = f'agents.{name}'
-    if a.model.lora.rank:
+    if a.model.lora.rank > top_rank:
       fail(f'{f}.model.lora.rank', a.model.lora.rank,
-           'LoRA agents are not supported with the vLLM backend yet; use '
-           'rollout.backend=embedded, or rank 0 (a full-parameter agent).')
+           f'vLLM serves LoRA adapters of rank up to {top_rank}; give a lower rank, or use '
+           'rollout.backend=embedded.')
     if sizes is not None and a.model.head_dim not in sizes:
       fail(f'{f}.model.head_dim', a.model.head_dim,
            f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '
            f'(model.head_dim, or a model.checkpoint with such heads), or use '
+           'rollout.backend=embedded.')
+    if a.model.qkv_bias and a.model.heads * a.model.head_dim != a.model.hidden:
+      fail(f'{f}.model.head_dim', a.model.head_dim,
+           f'a model with q/k/v biases is served as Qwen2, which vLLM builds with head_dim = '
+           f'hidden / heads = {a.model.hidden // a.model.heads}; give model.head_dim='
+           f'{a.model.hidden // a.model.heads} (or heads and hidden that make it), '
+           'model.qkv_bias=False (served as Llama, which keeps head_dim), or use '
            'rollout.backend=embedded.')
     if a.sampling.top_p < 1:
       fail(f'{f}.sampling.top_p', a.sampling.top_p, 'the vLLM backend reports the logprobs '

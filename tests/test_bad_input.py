@@ -158,6 +158,9 @@ def test_a_broken_vllm_install_is_refused_with_the_line_that_mends_it(tmp_path, 
 VLLM_CASES = {
     'head_size': (_set('agents.solver.model.head_dim', 16),
                   ['agents.solver.model.head_dim=16', 'head sizes', '32']),
+    'qwen2_head_dim': (_set('agents.solver.model.heads', 4),
+                       ['agents.solver.model.head_dim=32', 'hidden / heads = 16',
+                        'model.qkv_bias=False']),
     'top_p': (_set('agents.solver.sampling.top_p', 0.9),
               ['agents.solver.sampling.top_p=0.9', 'top_p=1.0']),
     'max_model_len': (_set('rollout.vllm', dict(max_model_len=7)),
@@ -171,7 +174,9 @@ def test_what_vllm_would_refuse_is_refused_before_the_workdir(tmp_path, case):
   edit, needles = VLLM_CASES[case]
   c = small_config()
   c.rollout.backend = 'vllm'
-  c.agents.solver.model.head_dim = 32  # a size vLLM's CPU attention serves
+  # a head size vLLM's CPU attention serves, and heads x head_dim = hidden (64) as vLLM's
+  # Qwen2 needs
+  c.agents.solver.model.head_dim, c.agents.solver.model.heads = 32, 2
   edit(c)
   _refused(c, tmp_path / 'run', *needles, error=ConfigError)
   assert not (tmp_path / 'run').exists()

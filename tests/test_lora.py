@@ -299,15 +299,6 @@ def test_bad_lora_configs_are_refused(lora_section, needles):
     assert needle in str(err.value), str(err.value)
 
 
-def test_vllm_refuses_a_lora_agent():
-  c = two_agent_config(steps=2)
-  c.agents.solver.model.lora = dict(rank=8)
-  c.rollout.backend = 'vllm'
-  with pytest.raises(ConfigError, match=r'agents.solver.model.lora.rank=8.*not supported '
-                     r'with the vLLM backend yet.*rollout.backend=embedded'):
-    build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
-
-
 def test_agents_of_one_base_share_one_copy_per_device_group(tmp_path):
   """Three LoRA agents on one base: one copy per mesh, referenced by each; states hold
   adapters; training and swaps leave the base bit-identical; a full agent beside them

@@ -210,10 +210,17 @@ def test_bad_adapter_groups_are_refused(change, needles):
     assert needle in str(err.value), str(err.value)
 
 
-def test_vllm_refuses_shared_adapter_instances():
+def test_vllm_serves_a_group_from_the_first_agents_engines():
+  """Under vLLM a group's agents share their first agent's engines: the run plans one
+  engine per instance of the group, not one per agent."""
   pytest.importorskip('vllm', reason='the vLLM backend is not installed')
+  from flexmarl.config import vllm_demand
   c = _three(2, shared=True)
   c.rollout.backend = 'vllm'
-  with pytest.raises(ConfigError, match=r'rollout.adapter_groups.*embedded sampler only.*'
-                     r'rollout.backend=embedded'):
-    _spec(c)
+  for name in TEAM:
+    c.agents[name].model.head_dim, c.agents[name].model.heads = 32, 2  # vLLM on CPU: >= 32
+  spec = _spec(c)
+  assert set(spec.placement.group_of('judge')) == set(TEAM)
+  assert vllm_demand(c, 20)[0] == spec.agents['planner'].instances
+  c.rollout.adapter_groups = []
+  assert vllm_demand(c, 20)[0] == sum(spec.agents[n].instances for n in TEAM)

@@ -11,6 +11,7 @@ agent's version, as on a dedicated instance.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from flax import nnx
@@ -22,6 +23,23 @@ from flexmarl.rollout.sampler import EmbeddedSampler, PendingSamples, SamplingPa
 # an agent's published params -> the same params on the instance's devices (its adapter
 # beside the device group's copy of the shared base)
 Place = Callable[[dict], dict]
+
+
+@runtime_checkable
+class AdapterSampler(Protocol):
+  """A rollout instance of several agents' adapters (this module's, or one vLLM engine's,
+  `vllm_sampler.VLLMSharedAdapters`): each agent has its own slot and version."""
+
+  agents: tuple[str, ...]
+
+  def version_of(self, agent: str) -> int: ...
+
+  def update_adapter(self, agent: str, params: dict, version: int) -> None: ...
+
+  def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+             agents: Sequence[str], limits: np.ndarray | None = None): ...
+
+  def close(self) -> None: ...
 
 
 class SharedAdapterSampler:

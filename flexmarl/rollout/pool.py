@@ -7,7 +7,7 @@ the instance with the least outstanding work, counted in tokens (prompt + n ×
 max_new_tokens), optionally keeping a conversation's calls on one instance. The
 routing decision is a pure function (`least_loaded`).
 
-An instance may serve several LoRA agents of one base (a `SharedAdapterSampler`): it
+An instance may serve several LoRA agents of one base (an `AdapterSampler`): it
 is then in each of their pools, its queue mixes their requests, each agent publishes
 into its own adapter slot, and each request is sampled at its own agent's version.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from flexmarl.interfaces import Weights
 from flexmarl.data.records import ServedGroup, sample_id
-from flexmarl.rollout.adapters import SharedAdapterSampler
+from flexmarl.rollout.adapters import AdapterSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 
 
@@ -63,7 +63,7 @@ class Instance:
   """One sampler on its devices: a queue and at most one batch in flight."""
 
   def __init__(self, name: str, devices: tuple[int, ...],
-               sampler: Sampler | SharedAdapterSampler):
+               sampler: Sampler | AdapterSampler):
     """`name`: the instance's slot (its first agent and index); it keeps it when it
     moves to another agent."""
     self.name, self.devices, self.sampler = name, devices, sampler
@@ -88,7 +88,7 @@ class Instance:
   @property
   def shared(self) -> bool:
     """Does it serve several agents' adapters?"""
-    return isinstance(self.sampler, SharedAdapterSampler)
+    return isinstance(self.sampler, AdapterSampler)
 
   def version_of(self, agent: str) -> int:
     """The version `agent`'s next rows here are sampled with."""

@@ -90,7 +90,8 @@ class RolloutSpec:
     agent holds the base once and every agent's adapter, and samples each row with its
     own agent's adapter and version. The agents of a group have the same model (and
     lora), base, mesh shape, sampling and rollout.instances; they keep their instances
-    (the balancer moves none of them). Embedded backend, one process only.
+    (the balancer moves none of them). One process only (not under Ray); under vLLM
+    each instance is one engine of the base with every agent's adapter loaded.
   """
 
   backend: str = 'embedded'
@@ -135,10 +136,6 @@ class RolloutSpec:
       fail(f'{field}.adapter_groups', groups, "give a list of groups of agent names, e.g. "
            "[['router', 'math', 'code']].")
     groups = tuple(tuple(g) for g in groups)
-    if groups and r.backend != 'embedded':
-      fail(f'{field}.adapter_groups', groups, f'shared adapter instances run on the embedded '
-           f'sampler only (rollout.backend={r.backend!r}); set rollout.backend=embedded, or '
-           'adapter_groups=[] (one instance per agent).')
     return dataclasses.replace(r, adapter_groups=groups)
 
 

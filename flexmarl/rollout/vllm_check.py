@@ -61,3 +61,12 @@ def cpu_head_sizes() -> list[int] | None:
     return None
   from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
   return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def lora_ranks() -> tuple[int, ...]:
+  """The values vLLM takes for `max_lora_rank` (an adapter's rank may be any up to the
+  largest). Call after `import_vllm`."""
+  import typing
+
+  from vllm.config.lora import MaxLoRARanks
+  return tuple(sorted(typing.get_args(MaxLoRARanks)))
