@@ -106,18 +106,17 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
   trainer computes it). Returns tokens [B, T], logprobs [B, T] of the sampled tokens
   under the temperature-scaled distribution, and lengths [B].
   """
-  prefill_state = state
-  if adapter_rows is not None:
-    state = lora.gather_rows(state, adapter_rows)
-    prefill_state = lora.gather_rows(prefill_state, prompt_adapters)
-  model = nnx.merge(graphdef, state)
+  if adapter_rows is None:
+    model = prefill = nnx.merge(graphdef, state)
+  else:
+    model = nnx.merge(graphdef, lora.gather_rows(state, adapter_rows))
+    prefill = nnx.merge(graphdef, lora.gather_rows(state, prompt_adapters))
   cfg = model.cfg
-  (batch,), prompt_len = prompt_of_row.shape, prompts.shape[1]
+  batch, prompt_len = prompt_of_row.shape[0], prompts.shape[1]
   cache = transformer.init_cache(cfg, prompts.shape[0], prompt_len + max_new_tokens)
   kv_mask = jnp.pad(prompt_mask, ((0, 0), (0, max_new_tokens)))
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-  logits, cache = nnx.merge(graphdef, prefill_state)(prompts, positions, kv_mask, cache, 0,
-                                                     last=1)
+  logits, cache = prefill(prompts, positions, kv_mask, cache, 0, last=1)
   if prompts.shape[0] != batch:  # else nothing is shared: prompt_of_row is 0..B-1
     of_rows = lambda x: jnp.take(x, prompt_of_row, axis=0)
     logits, kv_mask, positions = of_rows(logits), of_rows(kv_mask), of_rows(positions)
@@ -245,8 +244,9 @@ class EmbeddedSampler:
     all_keys = np.zeros((size, 2), np.uint32)
     all_keys[:n] = keys
     tokens, logprobs, lengths = self._generate(
-        self.state, shared, shared_mask, prompt_of_row, all_keys, np.float32(params.temperature),
-        np.float32(params.top_p), row_limits, rows, prompt_adapters,
+        self.state, shared, shared_mask, prompt_of_row, all_keys,
+        np.float32(params.temperature), np.float32(params.top_p), row_limits, rows,
+        prompt_adapters,
         max_new_tokens=params.max_new_tokens,
         stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
         use_top_p=params.top_p < 1.0)
