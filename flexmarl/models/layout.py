@@ -31,3 +31,32 @@ def bucket(n: int, multiple: int = 1) -> int:
   while size < n:
     size *= 2
   return -(-size // multiple) * multiple
+
+
+def distinct_prompts(ids: np.ndarray, mask: np.ndarray, rows: int, multiple: int = 1,
+                     tags: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Each distinct prompt of a laid-out batch once, so that its forward pass runs once
+  for all the rows that share it (a GRPO group's rows share their prompt).
+
+  `ids`, `mask` [B, P] as `left_pad` gives them, of which the first `rows` are real.
+  Returns (prompts [U, P], their mask [U, P], prompt_of_row [B]): row i's prompt is
+  prompts[prompt_of_row[i]]; padding rows point at prompt 0. U is rounded up like a
+  batch (`bucket`); padding prompts are empty. When that leaves nothing to share (U
+  would be B), the rows themselves with prompt_of_row = 0..B-1. `tags` [B]: rows with
+  different tags never share (e.g. each row's LoRA adapter, which changes the pass).
+  """
+  size = len(ids)
+  keys = np.concatenate([ids[:rows], mask[:rows]], 1)
+  if tags is not None:
+    keys = np.concatenate([keys, np.asarray(tags)[:rows, None].astype(keys.dtype)], 1)
+  distinct, first, of_row = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+  count = bucket(max(len(distinct), 1), multiple)
+  if count >= size:
+    return ids, mask, np.arange(size, dtype=np.int32)
+  prompts = np.zeros((count, ids.shape[1]), ids.dtype)
+  prompt_mask = np.zeros((count, ids.shape[1]), bool)
+  prompts[:len(first)], prompt_mask[:len(first)] = ids[first], mask[first]
+  prompt_of_row = np.zeros((size,), np.int32)
+  prompt_of_row[:rows] = of_row.reshape(-1)
+  return prompts, prompt_mask, prompt_of_row

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.models import lora, transformer
-from flexmarl.models.layout import bucket, left_pad
+from flexmarl.models.layout import bucket, distinct_prompts, left_pad
 from flexmarl.rollout.spec import SamplingParams
 
 
@@ -84,30 +84,43 @@ def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
-                    prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array,
-                    top_p: jax.Array, limits: jax.Array, adapter_rows: jax.Array | None = None,
-                    *, max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int,
-                    banned_ids: tuple[int, ...], use_top_p: bool):
-  """Pure sampling loop: prefill the prompt, then decode until every row has drawn a
+                    prompt_mask: jax.Array, prompt_of_row: jax.Array, keys: jax.Array,
+                    temperature: jax.Array, top_p: jax.Array, limits: jax.Array,
+                    adapter_rows: jax.Array | None = None,
+                    prompt_adapters: jax.Array | None = None, *, max_new_tokens: int,
+                    stop_ids: tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...],
+                    use_top_p: bool):
+  """Pure sampling loop: prefill the prompts, then decode until every row has drawn a
   stop id or its limit of new tokens (`limits` [B], each <= `max_new_tokens`).
 
-  `adapter_rows` [B]: `state` holds several agents' LoRA adapters stacked
-  (`lora.stack`) over one base, and row i is sampled with adapter `adapter_rows[i]`
-  (gathered once, before the loop); None: `state` is one model.
+  `prompts`, `prompt_mask` [U, P]: the batch's distinct prompts (`layout.distinct_prompts`);
+  row i continues prompt `prompt_of_row[i]`. Each prompt is prefilled once, however many
+  rows sample it (a GRPO group's rows share theirs), and its KV cache copied to its rows.
+
+  `adapter_rows` [B], `prompt_adapters` [U]: `state` holds several agents' LoRA
+  adapters stacked (`lora.stack`) over one base, and row i (prompt u) is sampled
+  (prefilled) with adapter `adapter_rows[i]` (`prompt_adapters[u]`), gathered once,
+  before the loop; None: `state` is one model.
 
   `banned_ids` are never drawn (the policy is the distribution without them, as the
   trainer computes it). Returns tokens [B, T], logprobs [B, T] of the sampled tokens
   under the temperature-scaled distribution, and lengths [B].
   """
-  if adapter_rows is not None:
-    state = lora.gather_rows(state, adapter_rows)
-  model = nnx.merge(graphdef, state)
+  if adapter_rows is None:
+    model = prefill = nnx.merge(graphdef, state)
+  else:
+    model = nnx.merge(graphdef, lora.gather_rows(state, adapter_rows))
+    prefill = nnx.merge(graphdef, lora.gather_rows(state, prompt_adapters))
   cfg = model.cfg
-  batch, prompt_len = prompts.shape
-  cache = transformer.init_cache(cfg, batch, prompt_len + max_new_tokens)
-  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, max_new_tokens), bool)], 1)
+  batch, prompt_len = prompt_of_row.shape[0], prompts.shape[1]
+  cache = transformer.init_cache(cfg, prompts.shape[0], prompt_len + max_new_tokens)
+  kv_mask = jnp.pad(prompt_mask, ((0, 0), (0, max_new_tokens)))
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-  logits, cache = model(prompts, positions, kv_mask, cache, 0, last=1)
+  logits, cache = prefill(prompts, positions, kv_mask, cache, 0, last=1)
+  if prompts.shape[0] != batch:  # else nothing is shared: prompt_of_row is 0..B-1
+    of_rows = lambda x: jnp.take(x, prompt_of_row, axis=0)
+    logits, kv_mask, positions = of_rows(logits), of_rows(kv_mask), of_rows(positions)
+    cache = [(of_rows(k), of_rows(v)) for k, v in cache]
 
   def step(carry):
     t, logits, cache, kv_mask, pos, done, lengths, tokens, logprobs = carry
@@ -222,11 +235,19 @@ class EmbeddedSampler:
       row_limits[:n] = np.minimum(limits, params.max_new_tokens)
     ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
+    shared, shared_mask, prompt_of_row = distinct_prompts(ids, mask, n, self.batch_multiple,
+                                                          rows)
+    prompt_adapters = None
+    if rows is not None:  # a prompt's rows share its adapter (`rows` is part of the key)
+      prompt_adapters = np.zeros(len(shared), np.int32)
+      prompt_adapters[prompt_of_row[:n]] = rows[:n]
     all_keys = np.zeros((size, 2), np.uint32)
     all_keys[:n] = keys
     tokens, logprobs, lengths = self._generate(
-        self.state, ids, mask, all_keys, np.float32(params.temperature),
-        np.float32(params.top_p), row_limits, rows, max_new_tokens=params.max_new_tokens,
+        self.state, shared, shared_mask, prompt_of_row, all_keys,
+        np.float32(params.temperature), np.float32(params.top_p), row_limits, rows,
+        prompt_adapters,
+        max_new_tokens=params.max_new_tokens,
         stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
         use_top_p=params.top_p < 1.0)
     return _DevicePending((tokens, logprobs, lengths), n)

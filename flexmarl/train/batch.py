@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from flexmarl.models.layout import bucket, left_pad
+from flexmarl.models.layout import bucket, distinct_prompts, left_pad
 
 
 @dataclasses.dataclass
@@ -27,6 +27,11 @@ class TrainBatch:
   on_policy: np.ndarray
   # [B] float32: the row's share of the entropy bonus (`grpo.entropy_weights`).
   entropy_weight: np.ndarray
+  # Each distinct prompt once (`layout.distinct_prompts`): the loss runs a prompt's
+  # forward pass once for all its rows. [U, P] int32, [U, P] bool, [B] int32.
+  shared_prompts: np.ndarray
+  shared_prompt_mask: np.ndarray
+  prompt_of_row: np.ndarray
 
   @classmethod
   def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
@@ -60,11 +65,12 @@ class TrainBatch:
     weight = np.ones((size,), np.float32)
     if entropy_weight is not None:
       weight[:n] = entropy_weight
-    return cls(ids, pmask, resp, rmask, blp, adv, same, weight)
+    shared = distinct_prompts(ids, pmask, n, batch_multiple)
+    return cls(ids, pmask, resp, rmask, blp, adv, same, weight, *shared)
 
   def device_arrays(self) -> dict[str, np.ndarray]:
-    """The arrays the loss reads."""
-    return dataclasses.asdict(self)
+    """The arrays the loss reads (the rows' prompts through `shared_prompts`)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k != 'prompts'}
 
   @property
   def tokens(self) -> int:

@@ -11,19 +11,43 @@ from flexmarl.models import transformer
 from flexmarl.train import grpo
 
 
+def response_logits(model: transformer.Decoder, batch: dict) -> jax.Array:
+  """The fp32 logits [B, T, V] that predict each row's response tokens.
+
+  Rows that share a prompt (a GRPO group) share its forward pass: the batch's distinct
+  prompts (`shared_prompts`) run once, filling a KV cache that every row of the prompt
+  reads, as the sampler's prefill does; then the rows' responses run against it. The
+  gradient through the shared prompt is the sum over its rows, as if each row had run
+  it: the same numbers as the whole rows would give, for a fraction of the work."""
+  prompts, prompt_mask = batch['shared_prompts'], batch['shared_prompt_mask']
+  responses = batch['responses']
+  prompt_len, response_len = prompts.shape[1], responses.shape[1]
+  cache = transformer.init_cache(model.cfg, prompts.shape[0], prompt_len + response_len - 1)
+  kv_mask = jnp.pad(prompt_mask, ((0, 0), (0, response_len - 1)))
+  positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+  # The last prompt position predicts the first response token.
+  first, cache = model(prompts, positions, kv_mask, cache, 0, last=1)
+  if prompts.shape[0] != responses.shape[0]:  # else nothing is shared: row i is prompt i
+    pick = jax.nn.one_hot(batch['prompt_of_row'], prompts.shape[0], dtype=first.dtype)
+    # A one-hot contraction, not a gather: its gradient is a dot, not a scatter-add.
+    of_rows = lambda x: jnp.einsum('bu,u...->b...', pick.astype(x.dtype), x)
+    first, cache = of_rows(first), [(of_rows(k), of_rows(v)) for k, v in cache]
+  if response_len == 1:
+    return first
+  row_mask = batch['prompt_mask']
+  kv_mask = jnp.concatenate([row_mask, batch['response_mask'][:, :-1]], 1)
+  positions = jnp.sum(row_mask, axis=1, keepdims=True) + jnp.arange(response_len - 1)
+  rest, _ = model(responses[:, :-1], positions, kv_mask, cache, prompt_len)
+  return jnp.concatenate([first, rest], 1)
+
+
 def response_logprobs(graphdef, params, batch: dict, temperature: float,
                       banned_ids: tuple[int, ...] = ()):
   """Logprobs and entropies of the response tokens under `params`: [B, T] each, in the
   distribution the sampler draws from (`banned_ids` impossible)."""
-  model = nnx.merge(graphdef, params)
-  response_len = batch['responses'].shape[1]
-  tokens = jnp.concatenate([batch['prompts'], batch['responses']], 1)
-  valid = jnp.concatenate([batch['prompt_mask'], batch['response_mask']], 1)
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  # The logits that predict the response: from the last prompt position on.
-  logits, _ = model(tokens, positions, valid, last=response_len + 1)
-  resp_logits = transformer.ban_tokens(logits[:, :-1], banned_ids)
-  return grpo.token_logprobs(resp_logits, batch['responses'], temperature)
+  logits = response_logits(nnx.merge(graphdef, params), batch)
+  return grpo.token_logprobs(transformer.ban_tokens(logits, banned_ids), batch['responses'],
+                             temperature)
 
 
 def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: grpo.GRPOConfig,

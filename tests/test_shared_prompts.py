@@ -1,0 +1,94 @@
+"""Rows that share a prompt share its forward pass, in the sampler's prefill and in the
+loss, and get the same numbers as rows that each run their whole prompt."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flexmarl.models import transformer
+from flexmarl.models.layout import distinct_prompts, left_pad
+from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
+from flexmarl.train import grpo
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import loss_sum, response_logprobs
+
+VOCAB, PAD, EOS, P = 24, 0, 2, 6
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 8]]
+
+
+def test_distinct_prompts_maps_rows_to_each_prompt_once():
+  ids, mask = left_pad([[1, 2], [3], [1, 2], [1, 2], [4, 5, 6], []], 4, PAD)
+  prompts, prompt_mask, of_row = distinct_prompts(ids, mask, rows=5)
+  assert prompts.shape == (4, 4)  # 3 distinct, rounded up like a batch
+  for i in range(5):
+    np.testing.assert_array_equal(prompts[of_row[i]], ids[i])
+    np.testing.assert_array_equal(prompt_mask[of_row[i]], mask[i])
+  assert of_row[0] == of_row[2] == of_row[3] and len(set(of_row[:5].tolist())) == 3
+  assert of_row[5] == 0 and not prompt_mask[3].any()  # padding row; padding prompt
+  # Different tags (adapters) never share; nothing left to share gives the rows.
+  _, _, tagged = distinct_prompts(ids, mask, rows=5, tags=np.array([0, 0, 1, 0, 0, 0]))
+  assert tagged[0] == tagged[3] != tagged[2]
+  same_ids, _, identity = distinct_prompts(ids[:4], mask[:4], rows=4, tags=np.arange(4))
+  np.testing.assert_array_equal(identity, np.arange(4))
+  np.testing.assert_array_equal(same_ids, ids[:4])
+
+
+def _model():
+  graphdef, state = nnx.split(
+      transformer.Decoder(transformer.ModelConfig(vocab_size=VOCAB), nnx.Rngs(params=1)))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def _grouped_batch(seed=0, group=4):
+  rng = np.random.default_rng(seed)
+  prompts = [p for p in PROMPTS for _ in range(group)]
+  responses = [rng.integers(3, VOCAB, size=rng.integers(1, 6)) for _ in prompts]
+  logprobs = [rng.normal(size=len(r)).astype(np.float32) - 3 for r in responses]
+  return TrainBatch.from_rows(prompts, responses, logprobs,
+                              rng.normal(size=len(prompts)).astype(np.float32),
+                              prompt_len=P, response_len=5, pad_id=PAD)
+
+
+def _unshared(batch: TrainBatch) -> TrainBatch:
+  """The same rows, each running its own whole prompt."""
+  return dataclasses.replace(batch, shared_prompts=batch.prompts,
+                             shared_prompt_mask=batch.prompt_mask,
+                             prompt_of_row=np.arange(len(batch.prompts), dtype=np.int32))
+
+
+def test_shared_prompt_loss_and_gradient_equal_whole_rows():
+  graphdef, params = _model()
+  shared = _grouped_batch()
+  assert shared.shared_prompts.shape[0] == 4 < len(shared.prompts)  # 3 prompts, 16 rows
+  cfg = grpo.GRPOConfig(max_new_tokens=5)
+  value_and_grad = jax.jit(jax.value_and_grad(
+      lambda p, b: loss_sum(p, None, b, 0.01, graphdef=graphdef, cfg=cfg), has_aux=True))
+  (loss_a, stats_a), grads_a = value_and_grad(params, shared.device_arrays())
+  (loss_b, stats_b), grads_b = value_and_grad(params, _unshared(shared).device_arrays())
+  np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
+  np.testing.assert_allclose(stats_a['entropy'], stats_b['entropy'], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()) + 1e-7)
+
+
+def test_grouped_samples_score_the_same_in_the_trainer():
+  graphdef, params = _model()
+  sampler = EmbeddedSampler(graphdef, params, max_prompt_len=P, eos_id=EOS, pad_id=PAD)
+  prompts = [p for p in PROMPTS for _ in range(4)]
+  keys = np.stack([sample_key(0, 'a', 0, str(i)) for i in range(len(prompts))])
+  out = sampler.generate(prompts, keys, SamplingParams(temperature=0.7, max_new_tokens=5))
+  # A row drawn in a group draws what it draws alone (its prompt prefilled for it only).
+  alone = sampler.generate(prompts[5:6], keys[5:6], SamplingParams(0.7, 1.0, 5))
+  np.testing.assert_array_equal(out.tokens[5], alone.tokens[0])
+  rows = range(len(prompts))
+  batch = TrainBatch.from_rows(prompts, [out.tokens[i, :out.lengths[i]] for i in rows],
+                               [out.logprobs[i, :out.lengths[i]] for i in rows],
+                               np.zeros(len(prompts)), prompt_len=P, response_len=5,
+                               pad_id=PAD)
+  assert batch.shared_prompts.shape[0] < len(prompts)
+  logp, _ = response_logprobs(graphdef, params, dataclasses.asdict(batch), 0.7)
+  np.testing.assert_allclose(np.where(batch.response_mask, logp, 0), batch.behaviour_logprobs,
+                             atol=1e-5)
