@@ -219,8 +219,12 @@ def test_trainer_group_of_two_processes_trains_like_one_process_of_four_devices(
   for key in ('loss', 'grad_norm', 'entropy'):
     np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
   remote = ray.get(group.params.ref)
+  # Adam's first step is lr * g / (|g| + eps): where a gradient element is near eps, the
+  # last bits of g (another reduction order over two processes) move the step by ~1% of
+  # lr; a wrong batch, order or device would move it by lr.
+  step_tolerance = 0.01 * agent.optimizer.learning_rate
   for x, y in zip(jax.tree.leaves(jax.device_get(local.params)), jax.tree.leaves(remote),
                   strict=True):
-    assert np.abs(x - y).max() <= 1e-5
+    assert np.abs(x - y).max() <= step_tolerance
   for r in group.ranks:
     ray.kill(r)

@@ -55,7 +55,7 @@ def exported(tmp_path_factory):
   from experiments import make_tiny_hf  # vLLM's CPU attention needs its 32-wide heads
   base = make_tiny_hf.make(str(tmp_path_factory.mktemp('base')))
   workdir = str(tmp_path_factory.mktemp('serve'))
-  train(_config(base, steps=40), workdir, log=lambda *_: None)
+  train(_config(base, steps=120), workdir, log=lambda *_: None)
   return export(workdir, 'solver', os.path.join(workdir, 'hf'))
 
 
