@@ -14,9 +14,10 @@ storage reads come from the page cache). The last line is JSON.
 
 End to end (`--end_to_end_steps=N`, instead of the above): the default experiment
 (`experiments/hierarchical_assistant.py`, 4 agents) with each agent on a mesh of its own,
-then with a training pool of half as many meshes (`training.pool_devices=2`); reports the
-mean step time of steps 2..N of each, their ratio, and the fraction of the pool run's
-swap time (`swap_s`, the copies) that did not block the schedule (`swap_wait_s`).
+and with a training pool of half as many meshes (`training.pool_devices=2`), alternated
+`--end_to_end_repeats` times; reports the median step time of the steady state (steps after
+`--end_to_end_warmup`) of each, their ratio, and the fraction of the pool run's swap time
+(`swap_s`, the copies) that did not block the schedule (`swap_wait_s`) over those steps.
 """
 
 import json
@@ -41,6 +42,9 @@ _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats per path; the best 
 _DIR = flags.DEFINE_string('dir', None, 'Storage folder (default: a temporary folder).')
 _END_TO_END = flags.DEFINE_integer('end_to_end_steps', 0, 'Run the end-to-end comparison '
                                    'for this many steps instead (0: the swap paths).')
+_E2E_WARMUP = flags.DEFINE_integer('end_to_end_warmup', 10, 'Steps left out of the end-to-end '
+                                    'figures (compilation, first swaps).')
+_E2E_REPEATS = flags.DEFINE_integer('end_to_end_repeats', 1, 'Alternated runs of each setup.')
 _CHUNK = 64 * 2**20
 
 
@@ -123,28 +127,33 @@ def _bench(nbytes: int, root: str, repeats: int) -> dict:
   return out
 
 
-def _end_to_end(steps: int, root: str) -> dict:
+def _end_to_end(steps: int, warmup: int, repeats: int, root: str) -> dict:
   from experiments import hierarchical_assistant
   from flexmarl.config import training_config
   from flexmarl.main import train
   from flexmarl.metrics.writer import read_metrics
 
-  out = {}
-  for name, pool_devices in (('own meshes', 0), ('pool of 2 meshes', 2)):
-    config = hierarchical_assistant.get_config('runlocal')
-    config.steps, config.checkpoint_every = steps, steps
-    config.training = training_config(pool_devices=pool_devices)
-    workdir = os.path.join(root, name.replace(' ', '_'))
-    train(config, workdir, log=lambda *_: None)
-    lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-    team = [l['step_time_s'] for l in lines if l['agent'] == 'team' and l['step'] > 1]
-    agents = [l for l in lines if l['agent'] != 'team']
-    swap_s = sum(l.get('swap_s', 0.0) for l in agents)
-    wait_s = sum(l.get('swap_wait_s', 0.0) for l in agents)
-    out[name] = dict(step_s=statistics.mean(team), swaps=sum(l.get('swaps', 0) for l in agents),
-                     swap_s=swap_s, swap_wait_s=wait_s,
-                     hidden=1 - wait_s / swap_s if swap_s else None)
-    print(name, out[name])
+  runs = {'own meshes': [], 'pool of 2 meshes': []}
+  for repeat in range(repeats):
+    for name, pool_devices in (('own meshes', 0), ('pool of 2 meshes', 2)):
+      config = hierarchical_assistant.get_config('runlocal')
+      config.steps, config.checkpoint_every = steps, steps
+      config.training = training_config(pool_devices=pool_devices)
+      workdir = os.path.join(root, f"{name.replace(' ', '_')}_{repeat}")
+      train(config, workdir, log=lambda *_: None)
+      lines = [l for l in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+               if l['step'] > warmup]
+      agents = [l for l in lines if l['agent'] != 'team']
+      swap_s = sum(l.get('swap_s', 0.0) for l in agents)
+      wait_s = sum(l.get('swap_wait_s', 0.0) for l in agents)
+      run = dict(step_s=statistics.median(l['step_time_s'] for l in lines
+                                          if l['agent'] == 'team'),
+                 swaps=sum(l.get('swaps', 0) for l in agents), swap_s=swap_s,
+                 swap_wait_s=wait_s, hidden=1 - wait_s / swap_s if swap_s else None)
+      runs[name].append(run)
+      print(name, repeat, run, flush=True)
+  out = {name: dict(step_s=statistics.median(r['step_s'] for r in rs), runs=rs)
+         for name, rs in runs.items()}
   out['ratio'] = out['pool of 2 meshes']['step_s'] / out['own meshes']['step_s']
   return out
 
@@ -153,7 +162,8 @@ def main(argv):
   del argv
   if _END_TO_END.value:
     with tempfile.TemporaryDirectory() as tmp:
-      print(json.dumps(_end_to_end(_END_TO_END.value, _DIR.value or tmp)))
+      print(json.dumps(_end_to_end(_END_TO_END.value, _E2E_WARMUP.value, _E2E_REPEATS.value,
+                                    _DIR.value or tmp)))
     return
   memories = {m.kind for m in jax.devices()[0].addressable_memories()}
   print(f'{jax.devices()[0].platform}, host memory for OnHost: '
