@@ -11,4 +11,7 @@ source launchers/venv.sh  # makes or completes .venv (the same recipe as test.sh
 # Eight host devices give every agent its own mesh on a CPU-only machine; on GPU/TPU
 # machines the flag only affects the host platform.
 export XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=8}
+# Huge pages for malloc where the kernel gives them only on request: a vLLM weight sync on
+# CPU allocates its GEMM handles afresh, ~3x faster without 4 KiB page faults.
+export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}
 exec .venv/bin/python -m flexmarl.main --config="$config" --workdir="$workdir" "$@"

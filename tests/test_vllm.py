@@ -21,7 +21,7 @@ from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout import vllm_weights  # noqa: E402
 from flexmarl.rollout.pool import Instance, InstancePool  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
-from flexmarl.rollout.vllm_engine import row_seed  # noqa: E402
+from flexmarl.rollout.vllm_engine import huge_pages_advice, row_seed  # noqa: E402
 from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
@@ -160,6 +160,21 @@ def test_bad_requests_are_refused_before_the_engine(sampler):
   with pytest.raises(ValueError, match='model.head_dim=16'):
     VLLMSampler(dataclasses.replace(CFG, heads=4, kv_heads=2, head_dim=16), {}, workdir='unused',
                 eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+
+
+@pytest.mark.parametrize('mode,tunables,advised', [
+    ('always madvise [never]', '', False), ('always [madvise] never', '', True),
+    ('always [madvise] never', 'glibc.malloc.hugetlb=1', False),
+    ('[always] madvise never', '', False)])
+def test_a_cpu_host_without_huge_pages_for_malloc_is_told_how_to_get_them(
+    tmp_path, monkeypatch, mode, tunables, advised):
+  """Only where the kernel gives huge pages on request and glibc was not told to ask."""
+  (tmp_path / 'enabled').write_text(mode + '\n')
+  monkeypatch.setenv('GLIBC_TUNABLES', tunables)
+  advice = huge_pages_advice(str(tmp_path / 'enabled'))
+  assert (advice is not None) == advised
+  assert advice is None or 'GLIBC_TUNABLES=glibc.malloc.hugetlb=1' in advice
+  assert huge_pages_advice(str(tmp_path / 'absent')) is None
 
 
 def test_training_with_vllm_rollout_survives_a_killed_engine(tmp_path):

