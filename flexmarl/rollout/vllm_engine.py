@@ -93,7 +93,7 @@ def huge_pages_advice(thp_mode: str = THP_MODE) -> str | None:
   On CPU a sync makes every GEMM handle anew, in fresh memory. With the kernel's
   transparent huge pages in `madvise` mode, glibc asks for huge pages only when told
   to, at process start (GLIBC_TUNABLES); without them the page faults take most of a
-  sync (0.5B model: 1.69 s, 0.49 s with them; experiments/benchmarks/RESULTS.md)."""
+  sync (0.5B model: 1.7–3.0 s, 0.8 s with them; experiments/benchmarks/RESULTS.md)."""
   from vllm.platforms import current_platform
   try:
     with open(thp_mode) as f:
