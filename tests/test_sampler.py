@@ -9,7 +9,7 @@ from flax import nnx
 
 from flexmarl.models import transformer
 from flexmarl.models.layout import left_pad
-from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
+from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, draw, sample_key
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs
 
@@ -88,6 +88,20 @@ def test_samples_do_not_depend_on_batch_companions():
   crowd = sampler.generate(PROMPTS + PROMPTS[:1] * 5, np.concatenate([_keys(1), _keys(7, 'x')]), sp)
   np.testing.assert_array_equal(alone.tokens[0], crowd.tokens[0])
   np.testing.assert_allclose(alone.logprobs[0], crowd.logprobs[0], atol=1e-6)
+
+
+def test_draws_follow_the_distribution_and_never_an_impossible_token():
+  probs = np.array([0.1, 0.0, 0.6, 0.0, 0.3, 0.0], np.float32)  # the last one: banned
+  logits = np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), transformer.BANNED_LOGIT)
+  n = 200_000
+  uniform = jax.random.uniform(jax.random.key(0), (n,))
+  # The edges of [0, 1) too, where a rounded cumulative sum could pick a token of mass 0.
+  uniform = uniform.at[:2].set(jnp.array([0.0, np.nextafter(np.float32(1), 0)]))
+  tokens = np.asarray(draw(jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1)), uniform))
+  counts = np.bincount(tokens, minlength=len(probs)) / n
+  assert not counts[probs == 0].any(), counts
+  np.testing.assert_allclose(counts, probs, atol=0.005)  # 5 sigma of 200k draws: 0.0055
+  assert tokens[0] == 0 and tokens[1] == 4, tokens[:2]
 
 
 def test_tiny_top_p_is_greedy():

@@ -26,7 +26,8 @@ from flax import nnx
 from flexmarl.models import lora as lora_lib
 from flexmarl.models.lora import LoRAConfig
 
-# One layer's (key, value) cache: [batch, cache_len, kv_heads, head_dim] each.
+# One layer's (key, value) cache: [batch, kv_heads, cache_len, head_dim] each: the
+# layout attention reads (batch and head leading), so no step copies the cache to transpose it.
 KVCache = list[tuple[jax.Array, jax.Array]]
 
 
@@ -204,21 +205,28 @@ class Attention(nnx.Module):
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
     length = x.shape[1]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H, L, D]: the cache layout
     if cache is not None:
       ck, cv = cache
-      k = jax.lax.dynamic_update_slice_in_dim(ck, k, write_index, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(cv, v, write_index, axis=1)
+      k = jax.lax.dynamic_update_slice_in_dim(ck, k, write_index, axis=2)
+      v = jax.lax.dynamic_update_slice_in_dim(cv, v, write_index, axis=2)
       cache = (k, v)
     # Query i sits at cache slot write_index + i and sees slots <= that one.
     q_slot = write_index + jnp.arange(length)
-    k_slot = jnp.arange(k.shape[1])
+    k_slot = jnp.arange(k.shape[2])
     mask = (k_slot[None, :] <= q_slot[:, None])[None] & kv_mask[:, None, :]  # [B, L, S]
-    groups = cfg.heads // cfg.kv_heads
-    q = q.reshape(q.shape[0], length, cfg.kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum('blhgk,bshk->bhgls', q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+    batch, groups = x.shape[0], cfg.heads // cfg.kv_heads
+    # Each KV head's queries as one [groups * L] block: plain batched matmuls over (B, H).
+    q = q.reshape(batch, length, cfg.kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
+    q = q.reshape(batch, cfg.kv_heads, groups * length, cfg.head_dim)
+    scores = jnp.einsum('bhqk,bhsk->bhqs', q, k).astype(jnp.float32) * cfg.head_dim ** -0.5
+    scores = scores.reshape(batch, cfg.kv_heads, groups, length, -1)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum('bhgls,bshk->blhgk', probs, v).reshape(x.shape[0], length, cfg.heads, cfg.head_dim)
+    probs = probs.reshape(batch, cfg.kv_heads, groups * length, -1)
+    out = jnp.einsum('bhqs,bhsk->bhqk', probs, v).reshape(
+        batch, cfg.kv_heads, groups, length, cfg.head_dim)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.heads, cfg.head_dim)
     return _adapted(self, 'o', out, jnp.einsum('blhk,hkd->bld', out, self.o[...])), cache
 
 
@@ -295,7 +303,7 @@ class Decoder(nnx.Module):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
-  shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+  shape = (batch, cfg.kv_heads, length, cfg.head_dim)
   dt = jnp.dtype(cfg.dtype)
   return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.layers)]
 

@@ -9,7 +9,10 @@ rollout engine only sees the `Sampler` protocol.
 
 Randomness: every row brings its own key, derived from (seed, agent, version,
 sample_id) by the caller, so what a sample draws never depends on which other
-requests share its batch or in which order they arrived.
+requests share its batch or in which order they arrived. The embedded sampler
+turns a row's key into one uniform per step, all before its decode loop, and draws
+each token by inverting the step's CDF (`draw`): a per-step random draw over the
+whole vocabulary cost a third of the loop on CPU.
 """
 
 from __future__ import annotations
@@ -83,13 +86,25 @@ def _filter_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
   return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def draw(logits: jax.Array, uniform: jax.Array) -> jax.Array:
+  """One token per row of `logits` [B, V] from softmax(logits), by inverting the CDF at
+  `uniform` [B] (in [0, 1)): the first token whose cumulative probability exceeds it.
+  A token of probability 0 (banned, filtered out) is never drawn, whatever the rounding
+  of the cumulative sum."""
+  probs = jax.nn.softmax(logits, axis=-1)
+  cdf = jnp.cumsum(probs, axis=-1)
+  total = cdf[:, -1:]
+  u = jnp.minimum(uniform[:, None] * total, jnp.nextafter(total, 0))
+  return jnp.argmax((cdf > u) & (probs > 0), axis=-1)
+
+
 def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
                     prompt_mask: jax.Array, prompt_of_row: jax.Array, keys: jax.Array,
                     temperature: jax.Array, top_p: jax.Array, limits: jax.Array,
                     adapter_rows: jax.Array | None = None,
                     prompt_adapters: jax.Array | None = None, *, max_new_tokens: int,
                     stop_ids: tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...],
-                    use_top_p: bool):
+                    use_top_p: bool, greedy: bool):
   """Pure sampling loop: prefill the prompts, then decode until every row has drawn a
   stop id or its limit of new tokens (`limits` [B], each <= `max_new_tokens`).
 
@@ -122,14 +137,18 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
     logits, kv_mask, positions = of_rows(logits), of_rows(kv_mask), of_rows(positions)
     cache = [(of_rows(k), of_rows(v)) for k, v in cache]
 
+  # Every row's uniforms for every step, at once (see the module docstring).
+  uniforms = jax.vmap(lambda key: jax.random.uniform(key, (max_new_tokens,)))(keys)
+
   def step(carry):
     t, logits, cache, kv_mask, pos, done, lengths, tokens, logprobs = carry
-    greedy = temperature <= 0  # temperature 0: the most likely token, as HF and vLLM do
-    scaled = transformer.ban_tokens(logits, banned_ids) / jnp.where(greedy, 1.0, temperature)
-    filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
-    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-    token = jnp.where(greedy, jnp.argmax(scaled, axis=-1),
-                      jax.vmap(jax.random.categorical)(step_keys, filtered))
+    scaled = transformer.ban_tokens(logits, banned_ids)
+    if greedy:  # temperature 0: the most likely token, as HF and vLLM do
+      token = jnp.argmax(scaled, axis=-1)
+    else:
+      scaled = scaled / temperature
+      filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
+      token = draw(filtered, jax.lax.dynamic_index_in_dim(uniforms, t, 1, keepdims=False))
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], 1)[:, 0]
     token = jnp.where(done, pad_id, token)
     tokens = tokens.at[:, t].set(token)
@@ -157,7 +176,7 @@ def compile_generate(graphdef: nnx.GraphDef) -> Callable:
   so its compilations)."""
   return jax.jit(functools.partial(generate_tokens, graphdef),
                  static_argnames=('max_new_tokens', 'stop_ids', 'pad_id', 'banned_ids',
-                                  'use_top_p'))
+                                  'use_top_p', 'greedy'))
 
 
 @dataclasses.dataclass(eq=False)
@@ -249,7 +268,7 @@ class EmbeddedSampler:
         prompt_adapters,
         max_new_tokens=params.max_new_tokens,
         stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
-        use_top_p=params.top_p < 1.0)
+        use_top_p=params.top_p < 1.0, greedy=params.temperature <= 0)
     return _DevicePending((tokens, logprobs, lengths), n)
 
   def _adapter_rows(self, n: int, given: np.ndarray | None) -> np.ndarray | None:
