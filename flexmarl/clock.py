@@ -12,6 +12,7 @@ simulated time at which they complete; `SimClock.wait_any` jumps there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
@@ -62,8 +63,14 @@ class RealClock:
       time.sleep(seconds)
 
   def wait_any(self, pendings: Sequence[P], timeout: float | None = None) -> list[P]:
+    """Futures (a sampler's batches) are waited on without waking up: a poll every
+    POLL_S preempts a CPU sampler's threads (vLLM on CPU: about 10% of its throughput,
+    experiments/benchmarks/vllm_in_run.py). Other pendings are polled."""
     if not pendings:
       raise ValueError('wait_any got no pendings: it would wait forever; pass at least one.')
+    if all(isinstance(p, concurrent.futures.Future) for p in pendings):
+      done, _ = concurrent.futures.wait(pendings, timeout, concurrent.futures.FIRST_COMPLETED)
+      return [p for p in pendings if p in done]
     deadline = None if timeout is None else time.perf_counter() + timeout
     while True:
       ready = _done(pendings)

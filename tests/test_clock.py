@@ -71,3 +71,19 @@ def test_sim_clock_refuses_a_wait_that_can_never_end():
   with pytest.raises(RuntimeError, match='finish_time'):
     clock.wait_any([_Flag()])
   assert clock.wait_any([_Flag()], timeout=2.0) == [] and clock.now() == 2.0
+
+
+def test_real_clock_waits_on_futures_without_polling(monkeypatch):
+  """A sampler's batches (futures) are waited on, not polled: no sleep-and-check loop
+  competes with a CPU sampler's threads; done ones come back in the order given."""
+  import concurrent.futures
+  clock = RealClock()
+  monkeypatch.setattr(time, 'sleep', lambda s: pytest.fail('wait_any polled futures'))
+  slow, fast, done = (concurrent.futures.Future() for _ in range(3))
+  threading.Timer(0.05, fast.set_result, [1]).start()
+  t0 = clock.now()
+  assert clock.wait_any([slow, fast]) == [fast]
+  assert 0.045 <= clock.now() - t0 < 0.5
+  assert clock.wait_any([slow], timeout=0.02) == []
+  done.set_result(2)
+  assert clock.wait_any([done, slow, fast]) == [done, fast]

@@ -21,7 +21,8 @@ from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout import vllm_weights  # noqa: E402
 from flexmarl.rollout.pool import Instance, InstancePool  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
-from flexmarl.rollout.vllm_engine import huge_pages_advice, row_seed  # noqa: E402
+from flexmarl.rollout.spec import engine_config  # noqa: E402
+from flexmarl.rollout.vllm_engine import cpu_threads, huge_pages_advice, row_seed  # noqa: E402
 from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler  # noqa: E402
 from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
@@ -99,6 +100,17 @@ def test_a_row_does_not_depend_on_its_batch(sampler):
   reversed_batch = sampler.submit(PROMPTS[::-1], keys[::-1], PARAMS).result()
   np.testing.assert_array_equal(reversed_batch.tokens[::-1], together.tokens)
   assert len({row_seed(k) for k in keys}) == len(keys)
+
+
+def test_an_engine_on_cpu_leaves_a_core_to_the_rest_of_the_run(sampler):
+  """Its torch threads: all cores but one (at least one), or as configured; set on the
+  thread its ops run on, past vLLM's no-op torch.set_num_threads."""
+  import torch
+  assert [cpu_threads(0, cores) for cores in (1, 2, 8)] == [1, 1, 7]
+  assert cpu_threads(3, 2) == 3
+  assert sampler._pool.submit(torch.get_num_threads).result() == cpu_threads(0)
+  with pytest.raises(ValueError, match='cpu_threads'):
+    engine_config(cpu_threads=-1)
 
 
 def test_a_balancer_move_between_agents_of_one_architecture_is_one_weight_sync(sampler):

@@ -50,6 +50,9 @@ class VLLMEngineConfig:
   enforce_eager: bool = True
   max_num_seqs: int = 256
   max_restarts: int = 2  # per batch, after which its Future carries the error
+  # Torch threads of an engine on CPU; 0: every core this process may use but one, left
+  # to the rest of the run (see vllm_engine.cpu_threads).
+  cpu_threads: int = 0
 
 
 def engine_config(**kwargs: Any) -> VLLMEngineConfig:
@@ -58,6 +61,9 @@ def engine_config(**kwargs: Any) -> VLLMEngineConfig:
   unknown = sorted(set(kwargs) - names)
   if unknown:
     raise ValueError(f'config.rollout.vllm has unknown fields {unknown}; known: {sorted(names)}.')
+  threads = kwargs.get('cpu_threads', 0)
+  if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+    raise ValueError(f'cpu_threads={threads!r}: a whole number >= 0 (0: automatic).')
   return VLLMEngineConfig(**kwargs)
 
 

@@ -84,6 +84,32 @@ def engine_env(values: dict[str, str]):
         os.environ[k] = v
 
 
+def cpu_threads(configured: int, cores: int | None = None) -> int:
+  """Torch threads for an engine on CPU: `configured`, else (0) all `cores` this process
+  may use but one.
+
+  Each torch op of the engine ends at a barrier of all its threads. With one thread a
+  core, any other runnable thread (the rollout loop, the JAX trainer, another engine,
+  another process) preempts one of them and stalls every op until it is scheduled
+  again: on 2 cores under load the engine then ran 2-15x slower than with 1 thread
+  (experiments/benchmarks/vllm_in_run.py). A core left free absorbs the rest of the run."""
+  if configured:
+    return configured
+  cores = len(os.sched_getaffinity(0)) if cores is None else cores
+  return max(1, cores - 1)
+
+
+def set_cpu_threads(configured: int) -> None:
+  """Torch's intra-op threads for the engine that starts next, from this thread (vLLM's
+  in-process engine runs its ops on the thread that calls it). On GPUs: nothing."""
+  from vllm.platforms import current_platform
+  if not current_platform.is_cpu():
+    return
+  import torch
+  # the builtin: vLLM's CPU worker replaces torch.set_num_threads with a no-op
+  torch._C.set_num_threads(cpu_threads(configured))
+
+
 THP_MODE = '/sys/kernel/mm/transparent_hugepage/enabled'  # Linux: the kernel's huge pages
 
 

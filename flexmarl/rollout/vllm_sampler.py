@@ -49,7 +49,7 @@ from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
 from flexmarl.rollout.vllm_engine import (AdapterSlot, check_batch, check_head_dim, engine_env,
                                           engine_model, huge_pages_advice, max_lora_rank,
                                           reload_in_checkpoint_format, row_seed, same_tree,
-                                          sample_batch)
+                                          sample_batch, set_cpu_threads)
 
 
 class VLLMSampler:
@@ -190,6 +190,7 @@ class VLLMSampler:
     with engine_env({'VLLM_ENABLE_V1_MULTIPROCESSING': '0', **dirs}):
       from vllm import LLM
       e = self.engine_cfg
+      set_cpu_threads(e.cpu_threads)
       lora_args = dict(enable_lora=True, max_loras=len(self.slots), max_lora_rank=max_lora_rank(
           self.lora.rank, vllm_check.lora_ranks())) if self.lora.rank else {}
       self._llm = LLM(
@@ -313,8 +314,6 @@ class VLLMSampler:
     outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests,
                               use_tqdm=False, lora_request=adapters)
     return sample_batch(outs, params.max_new_tokens, self.pad_id)
-
-
 
 
 class VLLMSharedAdapters:

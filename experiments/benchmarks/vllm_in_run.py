@@ -1,0 +1,172 @@
+"""A vLLM instance inside a training run against the same engine on its own.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
+    PYTHONPATH=. python experiments/benchmarks/vllm_in_run.py [--shape=qwen2.5-0.5b] [--rounds=2] \
+    [--cpu_threads=2]
+
+One agent on `a+b=` (single_task, char tokenizer) under `rollout.backend=vllm`, built
+through `flexmarl.run.build` (the product path), `sync` schedule: every step rolls out
+one batch on its one vLLM engine, trains, and syncs the new weights into the engine.
+Round by round in one process, side by side:
+
+- in run: one `JointOrchestrator.run_step`; its rollout tokens/s (tokens the engine
+  generated / the team line's `rollout_s`), the engine's own busy time (the worker
+  thread's `_generate`) and the whole step's tokens/s;
+- standalone: the weights that step's rollout served synced back, and the batches it
+  served (same prompts, keys, limits, sampling: the same samples, checked) replayed
+  straight into the same `VLLMSampler` (`submit(...).result()`): once right after
+  the sync (`after_sync`), then `--repeats` times warm (`standalone`, the median).
+  Then the trained weights go back in, so the next step's rollout follows a sync, as
+  in a run.
+
+Shapes (random weights, fp32): `small` (2 layers, width 128, heads of 32: vLLM's CPU
+attention needs head sizes >= 32; about two minutes on 2 cores) and `qwen2.5-0.5b`.
+`--cpu_threads`: the engine's torch threads (`rollout.vllm.cpu_threads`; by default all
+cores but one). The last line is JSON: per-round figures, their medians, the ratios in
+run / standalone (rollout, engine busy time, whole step), the engine's torch threads
+and the load average.
+"""
+
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import ml_collections
+from absl import app, flags
+
+SHAPES = {  # preset, model overrides, queries per step, samples per query, new tokens
+    'small': ('small', dict(vocab_size=64), 16, 8, 32),
+    'qwen2.5-0.5b': ('qwen2.5-0.5b', {}, 2, 8, 32),
+}
+_SHAPE = flags.DEFINE_enum('shape', 'small', list(SHAPES), 'Model shape.')
+_ROUNDS = flags.DEFINE_integer('rounds', 2, 'Standalone / in-run rounds, alternated.')
+_WARMUP = flags.DEFINE_integer('warmup', 1, 'Untimed steps first (compiles, engine warm-up).')
+_REPEATS = flags.DEFINE_integer('repeats', 2, 'Standalone replays of the step\'s batches.')
+_THREADS = flags.DEFINE_integer('cpu_threads', 0, 'rollout.vllm.cpu_threads (0: the default, '
+                                'all cores but one).')
+
+
+def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:
+  from flexmarl.config import agent_config
+  preset, model, queries, group, new = SHAPES[shape]
+  rows = queries * group
+  c = ml_collections.ConfigDict()
+  c.seed, c.steps, c.schedule, c.tokenizer = 0, 10**6, 'sync', 'char'
+  c.max_prompt_len, c.checkpoint_every = 8, 10**6
+  c.workflow = dict(name='single_task', agent='solver', family='add',
+                    task_args={'max_operand': 9})
+  c.rollout = dict(query_concurrency=queries, max_step_queries=queries, max_batch=rows,
+                   backend='vllm', vllm=dict(dtype='float32', max_model_len=64,
+                                             kv_cache_bytes=256 << 20, enforce_eager=True,
+                                             cpu_threads=cpu_threads))
+  c.agents = dict(solver=agent_config(
+      preset, group_size=group, global_batch=rows, micro_batch=rows,
+      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new),
+      optimizer=dict(learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+                     decay_steps=0, final_lr_fraction=0.1)))
+  for k, v in model.items():
+    c.agents.solver.model[k] = v
+  return c
+
+
+class Recorder:
+  """Wraps a VLLMSampler: keeps the batches submitted and their futures (to replay them
+  and count what they generated) and times the worker thread's work on each (the
+  engine's busy time, whatever waits around it)."""
+
+  def __init__(self, sampler):
+    self.sampler, self.batches, self.futures, self.engine_s = sampler, [], [], 0.0
+    self._submit, self._generate = sampler.submit, sampler._generate
+    sampler.submit, sampler._generate = self.submit, self.generate
+
+  def submit(self, *args, **kwargs):
+    self.batches.append((args, kwargs))
+    self.futures.append(self._submit(*args, **kwargs))
+    return self.futures[-1]
+
+  def generate(self, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return self._generate(*args, **kwargs)
+    finally:
+      self.engine_s += time.perf_counter() - start
+
+  def served_tokens(self) -> int:
+    return sum(int(f.result().lengths.sum()) for f in self.futures)
+
+  def serve(self, weights: tuple[dict, int]) -> None:
+    """Sync (params, version) into the engine."""
+    self.sampler.update_weights(*weights)
+
+  def threads(self) -> int:
+    """Torch threads on the engine's thread."""
+    import torch
+    return self.sampler._pool.submit(torch.get_num_threads).result()
+
+  def reset(self) -> None:
+    self.batches, self.futures, self.engine_s = [], [], 0.0
+
+  def replay(self, batches) -> tuple[int, float]:
+    """Generated tokens and seconds of `batches`, one after the other, as a caller
+    outside a run submits them."""
+    tokens, start = 0, time.perf_counter()
+    for args, kwargs in batches:
+      tokens += int(self._submit(*args, **kwargs).result().lengths.sum())
+    return tokens, time.perf_counter() - start
+
+
+def main(argv):
+  del argv
+  from flexmarl.run import build
+
+  with tempfile.TemporaryDirectory() as workdir:
+    t0 = time.perf_counter()
+    orch = build(get_config(_SHAPE.value, _THREADS.value), workdir, log=lambda *_: None)
+    rec = Recorder(orch.agents['solver'].pool.instances[0].sampler)
+    for _ in range(_WARMUP.value):
+      orch.run_step()
+    warmup_s = time.perf_counter() - t0
+    rounds = []
+    for r in range(_ROUNDS.value):
+      served = (rec.sampler._params, rec.sampler.version)  # what this step's rollout serves
+      rec.reset()
+      team = orch.run_step()['team']
+      tokens, engine_s = rec.served_tokens(), rec.engine_s
+      trained = (rec.sampler._params, rec.sampler.version)
+      rec.serve(served)  # the step's weights back: the replay draws the same samples
+      first = rec.replay(rec.batches)
+      alone = [rec.replay(rec.batches) for _ in range(_REPEATS.value)]
+      assert first[0] == tokens == alone[0][0], (first[0], tokens, alone[0][0])
+      alone_tok_s = statistics.median(t / s for t, s in alone)
+      rec.serve(trained)  # the next step's rollout follows a sync, as every step's does
+      row = dict(batches=len(rec.batches), standalone_tok_s=alone_tok_s,
+                 after_sync_tok_s=first[0] / first[1], sync_s=rec.sampler.last_sync_s,
+                 tokens=tokens, line_tokens=int(team['tokens']), rollout_s=team['rollout_s'],
+                 step_s=team['step_time_s'], engine_s=engine_s,
+                 rollout_tok_s=tokens / team['rollout_s'], engine_tok_s=tokens / engine_s,
+                 step_tok_s=tokens / team['step_time_s'])
+      row['ratio'] = row['rollout_tok_s'] / alone_tok_s
+      rounds.append(row)
+      print(f"round {r + 1}: in run: rollout {row['rollout_tok_s']:.0f} tok/s ({tokens} tokens "
+            f"in {row['rollout_s']:.2f}s, engine busy {engine_s:.2f}s), step "
+            f"{row['step_tok_s']:.0f} tok/s ({row['step_s']:.2f}s); standalone "
+            f"{alone_tok_s:.0f} tok/s (right after a sync {row['after_sync_tok_s']:.0f}); "
+            f"ratio {row['ratio']:.2f}", flush=True)
+    threads = rec.threads()
+    orch.close()
+  median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+  result = dict(shape=_SHAPE.value, warmup_s=warmup_s, rounds=rounds, median=median,
+                ratio=median['rollout_tok_s'] / median['standalone_tok_s'],
+                engine_ratio=median['engine_tok_s'] / median['standalone_tok_s'],
+                step_ratio=median['step_tok_s'] / median['standalone_tok_s'],
+                engine_threads=threads, loadavg=os.getloadavg())
+  print(f"{_SHAPE.value}: in run / standalone = {result['ratio']:.2f} (rollout), "
+        f"{result['engine_ratio']:.2f} (engine busy time), {result['step_ratio']:.2f} (step); "
+        f"load average {result['loadavg'][0]:.2f}")
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  app.run(main)
