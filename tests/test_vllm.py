@@ -102,11 +102,11 @@ def test_a_row_does_not_depend_on_its_batch(sampler):
   assert len({row_seed(k) for k in keys}) == len(keys)
 
 
-def test_an_engine_on_cpu_leaves_a_core_to_the_rest_of_the_run(sampler):
-  """Its torch threads: all cores but one (at least one), or as configured; set on the
-  thread its ops run on, past vLLM's no-op torch.set_num_threads."""
+def test_an_engine_on_cpu_runs_the_configured_torch_threads(sampler):
+  """Its torch threads: all cores, or as configured; set on the thread its ops run on,
+  past vLLM's no-op torch.set_num_threads."""
   import torch
-  assert [cpu_threads(0, cores) for cores in (1, 2, 8)] == [1, 1, 7]
+  assert [cpu_threads(0, cores) for cores in (1, 2, 8)] == [1, 2, 8]
   assert cpu_threads(3, 2) == 3
   assert sampler._pool.submit(torch.get_num_threads).result() == cpu_threads(0)
   with pytest.raises(ValueError, match='cpu_threads'):

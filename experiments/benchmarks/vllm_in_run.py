@@ -22,7 +22,7 @@ Round by round in one process, side by side:
 Shapes (random weights, fp32): `small` (2 layers, width 128, heads of 32: vLLM's CPU
 attention needs head sizes >= 32; about two minutes on 2 cores) and `qwen2.5-0.5b`.
 `--cpu_threads`: the engine's torch threads (`rollout.vllm.cpu_threads`; by default all
-cores but one). The last line is JSON: per-round figures, their medians, the ratios in
+cores). The last line is JSON: per-round figures, their medians, the ratios in
 run / standalone (rollout, engine busy time, whole step), the engine's torch threads
 and the load average.
 """
@@ -45,7 +45,7 @@ _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Standalone / in-run rounds, alterna
 _WARMUP = flags.DEFINE_integer('warmup', 1, 'Untimed steps first (compiles, engine warm-up).')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Standalone replays of the step\'s batches.')
 _THREADS = flags.DEFINE_integer('cpu_threads', 0, 'rollout.vllm.cpu_threads (0: the default, '
-                                'all cores but one).')
+                                'all cores).')
 
 
 def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:

@@ -50,8 +50,8 @@ class VLLMEngineConfig:
   enforce_eager: bool = True
   max_num_seqs: int = 256
   max_restarts: int = 2  # per batch, after which its Future carries the error
-  # Torch threads of an engine on CPU; 0: every core this process may use but one, left
-  # to the rest of the run (see vllm_engine.cpu_threads).
+  # Torch threads of an engine on CPU; 0: every core this process may use (see
+  # vllm_engine.cpu_threads for when fewer pay).
   cpu_threads: int = 0
 
 

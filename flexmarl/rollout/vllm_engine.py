@@ -86,17 +86,18 @@ def engine_env(values: dict[str, str]):
 
 def cpu_threads(configured: int, cores: int | None = None) -> int:
   """Torch threads for an engine on CPU: `configured`, else (0) all `cores` this process
-  may use but one.
+  may use.
 
-  Each torch op of the engine ends at a barrier of all its threads. With one thread a
-  core, any other runnable thread (the rollout loop, the JAX trainer, another engine,
-  another process) preempts one of them and stalls every op until it is scheduled
-  again: on 2 cores under load the engine then ran 2-15x slower than with 1 thread
-  (experiments/benchmarks/vllm_in_run.py). A core left free absorbs the rest of the run."""
+  Each torch op of the engine ends at a barrier of all its threads, so with one thread
+  a core any other busy thread (a JAX trainer overlapping the rollout, another engine,
+  another process) stalls every op: on 2 cores shared with other jobs the engine ran
+  2-15x slower than with 1 thread. On a quiet machine all cores win (0.5B shape, 2
+  cores: 119 against 86 tokens/s inside a `sync` run; experiments/benchmarks/
+  vllm_in_run.py), so they are the default; leave a core free (cores - 1) where the
+  engine shares its cores with work that runs at the same time."""
   if configured:
     return configured
-  cores = len(os.sched_getaffinity(0)) if cores is None else cores
-  return max(1, cores - 1)
+  return len(os.sched_getaffinity(0)) if cores is None else cores
 
 
 def set_cpu_threads(configured: int) -> None:
