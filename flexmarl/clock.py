@@ -64,7 +64,7 @@ class RealClock:
 
   def wait_any(self, pendings: Sequence[P], timeout: float | None = None) -> list[P]:
     """Futures (a sampler's batches) are waited on without waking up: a poll every
-    POLL_S preempts a CPU sampler's threads (vLLM on CPU: about 10% of its throughput,
+    POLL_S preempts a CPU sampler's threads (vLLM on CPU: about 13% of its throughput,
     experiments/benchmarks/vllm_in_run.py). Other pendings are polled."""
     if not pendings:
       raise ValueError('wait_any got no pendings: it would wait forever; pass at least one.')

@@ -63,7 +63,8 @@ def engine_config(**kwargs: Any) -> VLLMEngineConfig:
     raise ValueError(f'config.rollout.vllm has unknown fields {unknown}; known: {sorted(names)}.')
   threads = kwargs.get('cpu_threads', 0)
   if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-    raise ValueError(f'cpu_threads={threads!r}: a whole number >= 0 (0: automatic).')
+    raise ValueError(f'config.rollout.vllm.cpu_threads={threads!r}: give a whole number >= 0 '
+                     '(0: every core this process may use).')
   return VLLMEngineConfig(**kwargs)
 
 
