@@ -40,6 +40,7 @@ from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.team import team_line
 from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.stream import RolloutStream
 from flexmarl.schedules import Lines, Schedule, StepResult
 from flexmarl.team import Agent
 from flexmarl.train import sizing
@@ -89,6 +90,7 @@ class JointOrchestrator:
     self.step = 0
     self.next_query = 0
     self._rebalances_logged = 0
+    self._started: RolloutStream | None = None  # the next step's, begun early
     self.on_close: list[Callable[[], None]] = []  # run by `close`, last
     self.starvation = StarvationWatch(list(spec.agents), spec.rollout.max_step_queries)
 
@@ -103,17 +105,42 @@ class JointOrchestrator:
 
   @contextlib.contextmanager
   def rollout(self) -> Iterator[Rollout]:
-    """Stream queries from the next unconsumed one (see `Rollout`). Leaving the block
-    abandons the queries still in flight: they are served again next step (at the next
-    version), so what a step consumes depends only on the stream."""
-    source = ((i, self.query(i)) for i in itertools.count(self.next_query))
-    results = self.engine.stream(self.workflow, source)
+    """Stream queries from the next unconsumed one (see `Rollout`), or go on with the
+    stream `start_rollout` began. Leaving the block abandons the queries still in
+    flight: they are served again next step (at the next version), so what a step
+    consumes depends only on the stream."""
+    results, self._started = self._started or self._open_stream(), None
     rollout = Rollout(results, self.spec, self.journal, self.starvation)
     try:
       yield rollout
     finally:
       results.close()
       self.next_query += rollout.queries
+
+  def start_rollout(self) -> None:
+    """Dispatch the next step's first requests now, to the weights just published:
+    they generate while this step's host work (metrics, the store's queue, a
+    checkpoint) goes on. The next `rollout` continues this stream. A no-op after the
+    run's last step."""
+    if self._started is None and self.step + 1 < self.spec.steps:
+      self._started = self._open_stream()
+      self._started.start()
+
+  def serve_from(self, index: int) -> None:
+    """The next step serves queries from stream index `index` on (a rollout begun
+    early is abandoned)."""
+    self._drop_started()
+    self.next_query = index
+
+  def _open_stream(self) -> RolloutStream:
+    source = ((i, self.query(i)) for i in itertools.count(self.next_query))
+    return self.engine.stream(self.workflow, source)
+
+  def _drop_started(self) -> None:
+    """Abandon a rollout `start_rollout` began (before a restore, or at the end)."""
+    if self._started is not None:
+      self._started.close()
+      self._started = None
 
   def accumulate(self, name: str, micro: Sequence[Group]) -> None:
     """Dispatch one micro-batch's gradient of agent `name`."""
@@ -134,6 +161,7 @@ class JointOrchestrator:
   def restore(self, log=print) -> int:
     """Resume from the newest step every agent has an intact checkpoint for (a damaged
     newer one is skipped, and said so); 0 if none."""
+    self._drop_started()  # it would serve queries from before the restore
     step, states, metas, warnings = restore_latest(
         {n: a.checkpointer for n, a in self.agents.items()},
         {n: a.train_state() for n, a in self.agents.items()})
@@ -293,6 +321,7 @@ class JointOrchestrator:
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store; then run
     `on_close` (e.g. stop the run's worker processes)."""
+    self._drop_started()
     for agent in self.agents.values():
       agent.close()
     self.journal.close()

@@ -75,6 +75,10 @@ class StepContext(Protocol):
   def publish(self, name: str) -> None:
     """The agent's instances serve its last update's weights from now on."""
 
+  def start_rollout(self) -> None:
+    """Dispatch the next step's first requests now (to the weights published so far);
+    the next `rollout` goes on with them."""
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -150,6 +154,9 @@ class Sync(Buffered):
     rollout_s = ctx.clock.now() - t0
     full = [n for n, b in self.buffers.items() if b.full]
     stats = self.train(ctx, full, updates)
+    # Every update is published: the next step's generation runs while this step's
+    # bookkeeping (here and in the orchestrator) goes on.
+    ctx.start_rollout()
     lines: Lines = {}
     for name, builder in self.buffers.items():
       line = dict(batch_stats(builder.kept), policy_version=versions[name],

@@ -87,6 +87,43 @@ def test_results_are_consumed_in_stream_order_and_the_rest_abandoned():
   assert all(not i.queue for i in engine.instances)
 
 
+class CountingEcho(SlowEcho):
+  """SlowEcho that counts its batches."""
+
+  def __init__(self, delay_s=0.02):
+    super().__init__(delay_s)
+    self.batches = 0
+
+  def submit(self, prompts, keys, params, limits=None):
+    self.batches += 1
+    return super().submit(prompts, keys, params, limits)
+
+
+def test_a_started_stream_generates_before_it_is_iterated_and_gives_the_same_results():
+  def engine():
+    pool = InstancePool('a', [Instance('a/0', (0,), CountingEcho())], make_sampler=None)
+    return RolloutEngine({'a': pool}, {'a': SP}, {'a': 1}, TOK, seed=0, concurrency=3)
+
+  def source():
+    return ((i, Query(f'q{i}', 'long' if i == 1 else 'short')) for i in range(6))
+
+  plain = [(r.query.query_id, r.finished > 0) for r in engine().run(Turns(), [
+      q for _, q in source()])]
+  started_engine = engine()
+  inst = started_engine.instances[0]
+  stream = started_engine.stream(Turns(), source())
+  stream.start()
+  assert inst.sampler.batches == 1 and inst.pending is not None  # generating already
+  results = [(r.query.query_id, r.finished > 0) for r in stream]
+  stream.close()
+  assert results == plain
+  # A started stream closed unread abandons what it dispatched.
+  stream = started_engine.stream(Turns(), source())
+  stream.start()
+  stream.close()
+  assert not inst.queue
+
+
 def _tiny(seed, devices):
   cfg = transformer.ModelConfig(**transformer.PRESETS['tiny'], vocab_size=TOK.vocab_size)
   graphdef, state = nnx.split(transformer.Decoder(cfg, nnx.Rngs(params=seed)))

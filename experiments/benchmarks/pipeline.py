@@ -1,44 +1,48 @@
 """Step time of the default experiment under `sync`, `sync_parallel`, `flexmarl` and `async:1`.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python experiments/benchmarks/pipeline.py [--steps=60] [--warmup=30] \
-      [--concurrency=24,6] [--rollout_devices=separate,shared]
+    python experiments/benchmarks/pipeline.py [--steps=60] [--warmup=30] [--block=10] \
+      [--concurrency=24] [--rollout_devices=separate]
 
 `sync`, `sync_parallel` and `flexmarl` give the same parameters (tests/test_schedules.py),
 so each one does exactly the same work; only its timing differs. `async:1` trains each
 batch while the next one rolls out (one version of lag, tests/test_staleness.py): about
 the same amount of work, not the same numbers.
 
+The schedules run side by side in one process, interleaved: each one's run is built
+and warmed up (`--warmup` steps: every batch shape compiled), then they take turns,
+`--block` steps at a time, in an order that rotates every round, until each has run
+`--steps` timed steps. A machine whose speed drifts over minutes (a shared CPU does)
+then slows every schedule alike. A run's rollout begun ahead of its next step
+(`start_rollout`) is dropped before another schedule takes its turn, and the first step
+of each turn is not timed. Per schedule: the median step time (the issue's measure),
+its rollout and what follows it, and the ratio to `sync` in every round.
+
 `--concurrency=C`: `rollout.query_concurrency`, queries in flight. 24 is the default
 experiment (a step ends as soon as every agent's batch is full, after at most
-`rollout.max_step_queries`=96 queries); 6 streams fewer queries at a time, so global
-batches fill over longer and the pipeline has more rows to train on early.
-`--rollout_devices`: each agent's rollout instance on a device of its own (`separate`,
-the paper's split pools and the default experiment's setting) or on its training device
-(`shared`). Each run warms up (compiles every batch shape it meets) first; the timed
-steps follow. The last line is JSON.
+`rollout.max_step_queries`=96 queries). `--rollout_devices`: each agent's rollout
+instance on a device of its own (`separate`, the default experiment's setting) or on its
+training device (`shared`). The last line is JSON.
 """
 
 import importlib.util
 import json
 import os
+import statistics
 import tempfile
-import time
 
 from absl import app, flags, logging
 
-_STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per run.')
+_STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per schedule.')
 _WARMUP = flags.DEFINE_integer('warmup', 30, 'Untimed steps first (compilation).')
-_CONCURRENCY = flags.DEFINE_list('concurrency', ['24', '6'], 'rollout.query_concurrency '
-                                  'settings to time.')
+_BLOCK = flags.DEFINE_integer('block', 10, 'Timed steps per turn.')
+_CONCURRENCY = flags.DEFINE_list('concurrency', ['24'], 'rollout.query_concurrency settings.')
 _DEVICES = flags.DEFINE_list('rollout_devices', ['separate'], 'rollout.devices settings.')
+_SCHEDULES = flags.DEFINE_list('schedules', ['sync', 'sync_parallel', 'flexmarl', 'async:1'],
+                               'Schedules to compare; the first is the baseline.')
 
-SCHEDULES = ('sync', 'sync_parallel', 'flexmarl', 'async:1')
 
-
-def step_time(schedule: str, concurrency: int, rollout_devices: str) -> dict:
-  from flexmarl.run import build
-
+def default_experiment(schedule: str, concurrency: int, rollout_devices: str):
   spec_file = os.path.join(os.path.dirname(__file__), '..', 'hierarchical_assistant.py')
   module_spec = importlib.util.spec_from_file_location('hierarchical_assistant', spec_file)
   module = importlib.util.module_from_spec(module_spec)
@@ -47,20 +51,46 @@ def step_time(schedule: str, concurrency: int, rollout_devices: str) -> dict:
   config.schedule = schedule
   config.rollout.query_concurrency = concurrency
   config.rollout.devices = rollout_devices
+  return config
+
+
+def compare(concurrency: int, devices: str) -> dict:
+  """Every schedule's timed steps, interleaved (see the module docstring)."""
+  from flexmarl.run import build
+
+  schedules = _SCHEDULES.value
+  steps = {s: [] for s in schedules}  # (round, step_s, rollout_s, train_s)
   with tempfile.TemporaryDirectory() as workdir:
-    orch = build(config, workdir)
-    for _ in range(_WARMUP.value):
-      orch.run_step()
-    rollout = train = 0.0
-    t0 = time.perf_counter()
-    for _ in range(_STEPS.value):
-      team = orch.run_step()['team']
-      rollout += team['rollout_s']
-      train += team['train_s']
-    elapsed = time.perf_counter() - t0
-    orch.close()
-  n = _STEPS.value
-  return dict(step_s=elapsed / n, rollout_s=rollout / n, after_rollout_s=train / n)
+    runs = {}
+    for s in schedules:
+      runs[s] = build(default_experiment(s, concurrency, devices),
+                      os.path.join(workdir, s.replace(':', '_')))
+      for _ in range(_WARMUP.value):
+        runs[s].run_step()
+      runs[s].serve_from(runs[s].next_query)  # nothing of it generates in another's turn
+    rounds = -(-_STEPS.value // _BLOCK.value)
+    for r in range(rounds):
+      for s in schedules[r % len(schedules):] + schedules[:r % len(schedules)]:
+        orch = runs[s]
+        orch.run_step()  # its rollout starts afresh: not timed
+        for _ in range(min(_BLOCK.value, _STEPS.value - r * _BLOCK.value)):
+          team = orch.run_step()['team']
+          steps[s].append((r, team['step_time_s'], team['rollout_s'], team['train_s']))
+        orch.serve_from(orch.next_query)
+      print(f'round {r + 1}/{rounds} done', flush=True)
+    for orch in runs.values():
+      orch.close()
+  base = schedules[0]
+  results = {}
+  for s in schedules:
+    step_s = statistics.median(x[1] for x in steps[s])
+    per_round = [statistics.median(x[1] for x in steps[base] if x[0] == r)
+                 / statistics.median(x[1] for x in steps[s] if x[0] == r) for r in range(rounds)]
+    results[s] = dict(step_s=step_s, rollout_s=statistics.median(x[2] for x in steps[s]),
+                      after_rollout_s=statistics.median(x[3] for x in steps[s]),
+                      speedup=results.get(base, {}).get('step_s', step_s) / step_s,
+                      speedup_per_round=per_round)
+  return results
 
 
 def main(argv):
@@ -69,14 +99,13 @@ def main(argv):
   results = {}
   for devices in _DEVICES.value:
     for concurrency in map(int, _CONCURRENCY.value):
-      for schedule in SCHEDULES:
-        setting = f'c{concurrency} {devices}'
-        name = f'{schedule} {setting}'
-        r = results[name] = step_time(schedule, concurrency, devices)
-        r['speedup_vs_sync'] = results[f'sync {setting}']['step_s'] / r['step_s']
-        print(f"{name:>34}: {r['step_s'] * 1e3:.0f} ms/step (rollout "
-              f"{r['rollout_s'] * 1e3:.0f} ms, then training "
-              f"{r['after_rollout_s'] * 1e3:.0f} ms), {r['speedup_vs_sync']:.2f}x sync",
+      setting = f'c{concurrency} {devices}'
+      results[setting] = compare(concurrency, devices)
+      for s, r in results[setting].items():
+        rounds = ', '.join(f'{x:.2f}' for x in r['speedup_per_round'])
+        print(f"{setting} {s:>14}: median {r['step_s'] * 1e3:.0f} ms/step (rollout "
+              f"{r['rollout_s'] * 1e3:.0f} ms, then training {r['after_rollout_s'] * 1e3:.0f}"
+              f" ms), {r['speedup']:.2f}x {_SCHEDULES.value[0]} (per round: {rounds})",
               flush=True)
   print(json.dumps(results))
 

@@ -16,9 +16,8 @@ finish in, so what a step trains on depends only on the query stream.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
+from flexmarl.rollout.stream import RolloutStream
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import check_episode, run_error, timeout_error
@@ -144,34 +144,20 @@ class RolloutEngine:
     """Roll out a fixed list of queries to completion; results in query order."""
     return list(self.stream(workflow, iter(enumerate(queries, first_index))))
 
-  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]
-             ) -> Generator[EpisodeResult, None, None]:
-    """Roll out queries from `source` ((stream index, query) pairs, consecutive); yield
-    each result in stream order until the source ends. Closing the generator (or
-    leaving a loop over it) abandons the queries still in flight.
+  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]) -> RolloutStream:
+    """Roll out queries from `source` ((stream index, query) pairs, consecutive);
+    iterating gives each result in stream order until the source ends. Closing the
+    stream abandons the queries still in flight; `start` dispatches the first requests
+    ahead of iterating (see `RolloutStream`).
 
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
-    results = self._stream(workflow, source)
-    try:
-      asyncio.get_running_loop()
-      worker = concurrent.futures.ThreadPoolExecutor(1)
-      run = lambda coro: worker.submit(self._loop.run_until_complete, coro).result()
-    except RuntimeError:
-      worker, run = None, self._loop.run_until_complete
-    try:
-      while True:
-        try:
-          yield run(results.__anext__())
-        except StopAsyncIteration:
-          return
-    finally:
-      run(results.aclose())
-      if worker is not None:
-        worker.shutdown()
+    return RolloutStream(lambda dispatched: self._stream(workflow, source, dispatched),
+                         self._loop)
 
-  async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]
+  async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
+                    dispatched: Callable[[], Awaitable[None]]
                     ) -> AsyncIterator[EpisodeResult]:
     requests: list[Request] = []
     active: dict[int, tuple[_QueryContext, asyncio.Task]] = {}
@@ -212,6 +198,8 @@ class RolloutEngine:
           continue  # refill the slots of queries that just finished before serving
         self._check_timeouts(active.values())
         self._dispatch(requests)
+        if any(i.pending is not None for i in self.instances):
+          await dispatched()  # where a `RolloutStream.start` leaves the rollout
         others = any(ctx.waiting == 0 for ctx, _ in active.values())
         await self._collect(timeout=0.002 if others or self.query_timeout_s else None)
     finally:

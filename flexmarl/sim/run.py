@@ -169,7 +169,7 @@ def simulate(setup: ml_collections.ConfigDict, variant: str, workdir: str | None
       for step in range(setup.steps):
         tags.step = step
         if stride:
-          orch.next_query = step * stride
+          orch.serve_from(step * stride)
         t0 = clock.now()
         team.append(orch.run_step()[TEAM])
         windows.append((t0, clock.now()))

@@ -96,12 +96,23 @@ def _shardings(state: AgentState, to: OnMesh) -> dict:
 
 def _to_host(arrays: dict) -> dict:
   """Device arrays to pinned host memory (same layout) where the platform has it, else
-  numpy; numpy stays numpy."""
-  def one(x):
-    if isinstance(x, jax.Array) and has_pinned_host(next(iter(x.sharding.device_set))):
-      return jax.device_put(x, x.sharding.with_memory_kind('pinned_host'))
-    return np.asarray(x)
-  return jax.tree.map(one, arrays)
+  numpy; numpy stays numpy. One `device_put` for all the arrays that go to pinned host
+  memory: jax batches their copies (per array, a small state's fixed costs dominate)."""
+  leaves, treedef = jax.tree.flatten(arrays)
+  has = {}  # per device: whether it has pinned host memory (asked once)
+
+  def pinnable(x: Any) -> bool:
+    if not isinstance(x, jax.Array):
+      return False
+    device = next(iter(x.sharding.device_set))
+    if device not in has:
+      has[device] = has_pinned_host(device)
+    return has[device]
+  to_pin = [x for x in leaves if pinnable(x)]
+  pinned = iter(jax.device_put(to_pin, [x.sharding.with_memory_kind('pinned_host')
+                                        for x in to_pin]))
+  return jax.tree.unflatten(treedef, [next(pinned) if pinnable(x) else np.asarray(x)
+                                      for x in leaves])
 
 
 def _abstract(arrays: dict) -> dict:
