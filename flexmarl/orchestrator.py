@@ -55,8 +55,9 @@ class Rollout:
   count what was consumed so far; `starvation` sees which agents each query reached."""
 
   def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
-               starvation: StarvationWatch):
+               starvation: StarvationWatch, started: float):
     self._results, self._journal, self._starvation = results, journal, starvation
+    self.started = started  # when its first requests could be dispatched
     self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
     self._limit = spec.rollout.max_step_queries
     self.queries = 0
@@ -91,6 +92,7 @@ class JointOrchestrator:
     self.next_query = 0
     self._rebalances_logged = 0
     self._started: RolloutStream | None = None  # the next step's, begun early
+    self._step_end = 0.0  # when the last step's schedule returned
     self.on_close: list[Callable[[], None]] = []  # run by `close`, last
     self.starvation = StarvationWatch(list(spec.agents), spec.rollout.max_step_queries)
 
@@ -109,8 +111,9 @@ class JointOrchestrator:
     stream `start_rollout` began. Leaving the block abandons the queries still in
     flight: they are served again next step (at the next version), so what a step
     consumes depends only on the stream."""
+    started = self._step_end if self._started is not None else self.clock.now()
     results, self._started = self._started or self._open_stream(), None
-    rollout = Rollout(results, self.spec, self.journal, self.starvation)
+    rollout = Rollout(results, self.spec, self.journal, self.starvation, started)
     try:
       yield rollout
     finally:
@@ -230,9 +233,11 @@ class JointOrchestrator:
     """One step of the configured schedule; returns its metrics lines (per agent, and
     the team's). Queues the step's rows for the store and logs the balancer's moves."""
     self.recorder.step = self.step + 1  # the step the metrics lines will carry
-    t0 = self.clock.now()
+    # A step whose rollout began in the step before begins where that one ended.
+    t0 = self._step_end if self._started is not None else self.clock.now()
     result: StepResult = self.schedule.run_step(self)
-    step_s = self.clock.now() - t0
+    self._step_end = self.clock.now()
+    step_s = self._step_end - t0
     lines = result.lines
     for name, line in lines.items():
       line['step_time_s'] = step_s
