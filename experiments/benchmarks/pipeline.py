@@ -15,8 +15,12 @@ and warmed up (`--warmup` steps: every batch shape compiled), then they take tur
 `--steps` timed steps. A machine whose speed drifts over minutes (a shared CPU does)
 then slows every schedule alike. A run's rollout begun ahead of its next step
 (`start_rollout`) is dropped before another schedule takes its turn, and the first step
-of each turn is not timed. Per schedule: the median step time (the issue's measure),
-its rollout and what follows it, and the ratio to `sync` in every round.
+of each turn is not timed. A step's time is the wall time from the end of the one before
+to its own end (what a run takes per step, whatever the schedule overlaps), with the
+process's CPU time over it (all threads: JAX's, the rollout's, the store's), which says
+how many of the machine's cores the schedule keeps busy. Per schedule: the median step
+time (the issue's measure), its rollout and what follows it, cores busy, and the ratio to
+the first schedule in every round.
 
 `--concurrency=C`: `rollout.query_concurrency`, queries in flight. 24 is the default
 experiment (a step ends as soon as every agent's batch is full, after at most
@@ -30,6 +34,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 
 from absl import app, flags, logging
 
@@ -59,7 +64,7 @@ def compare(concurrency: int, devices: str) -> dict:
   from flexmarl.run import build
 
   schedules = _SCHEDULES.value
-  steps = {s: [] for s in schedules}  # (round, step_s, rollout_s, train_s)
+  steps = {s: [] for s in schedules}  # (round, step_s, rollout_s, train_s, cpu_s)
   with tempfile.TemporaryDirectory() as workdir:
     runs = {}
     for s in schedules:
@@ -73,9 +78,12 @@ def compare(concurrency: int, devices: str) -> dict:
       for s in schedules[r % len(schedules):] + schedules[:r % len(schedules)]:
         orch = runs[s]
         orch.run_step()  # its rollout starts afresh: not timed
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(min(_BLOCK.value, _STEPS.value - r * _BLOCK.value)):
           team = orch.run_step()['team']
-          steps[s].append((r, team['step_time_s'], team['rollout_s'], team['train_s']))
+          last_wall, last_cpu, wall, cpu = wall, cpu, time.perf_counter(), time.process_time()
+          steps[s].append((r, wall - last_wall, team['rollout_s'], team['train_s'],
+                           cpu - last_cpu))
         orch.serve_from(orch.next_query)
       print(f'round {r + 1}/{rounds} done', flush=True)
     for orch in runs.values():
@@ -88,6 +96,7 @@ def compare(concurrency: int, devices: str) -> dict:
                  / statistics.median(x[1] for x in steps[s] if x[0] == r) for r in range(rounds)]
     results[s] = dict(step_s=step_s, rollout_s=statistics.median(x[2] for x in steps[s]),
                       after_rollout_s=statistics.median(x[3] for x in steps[s]),
+                      cores_busy=sum(x[4] for x in steps[s]) / sum(x[1] for x in steps[s]),
                       speedup=results.get(base, {}).get('step_s', step_s) / step_s,
                       speedup_per_round=per_round)
   return results
@@ -105,7 +114,8 @@ def main(argv):
         rounds = ', '.join(f'{x:.2f}' for x in r['speedup_per_round'])
         print(f"{setting} {s:>14}: median {r['step_s'] * 1e3:.0f} ms/step (rollout "
               f"{r['rollout_s'] * 1e3:.0f} ms, then training {r['after_rollout_s'] * 1e3:.0f}"
-              f" ms), {r['speedup']:.2f}x {_SCHEDULES.value[0]} (per round: {rounds})",
+              f" ms), {r['cores_busy']:.2f} of {os.cpu_count()} cores busy, {r['speedup']:.2f}x "
+              f"{_SCHEDULES.value[0]} (per round: {rounds})",
               flush=True)
   print(json.dumps(results))
 
