@@ -197,8 +197,7 @@ class RolloutEngine:
         if len(active) < self.concurrency and not exhausted:
           continue  # refill the slots of queries that just finished before serving
         self._check_timeouts(active.values())
-        self._dispatch(requests)
-        if any(i.pending is not None for i in self.instances):
+        if self._dispatch(requests):
           await dispatched()  # where a `RolloutStream.start` leaves the rollout
         others = any(ctx.waiting == 0 for ctx, _ in active.values())
         await self._collect(timeout=0.002 if others or self.query_timeout_s else None)
@@ -224,8 +223,9 @@ class RolloutEngine:
     return np.stack([sample_key(self.seed, request.agent, version, s)
                      for s in request.sample_ids])
 
-  def _dispatch(self, requests: list[Request]) -> None:
-    """Route new requests (in stream order), rebalance, start every idle instance."""
+  def _dispatch(self, requests: list[Request]) -> bool:
+    """Route new requests (in stream order), rebalance, start every idle instance;
+    whether any instance is generating."""
     requests.sort(key=lambda r: (r.index, r.call))
     for r in requests:
       self.pools[r.agent].route(r)
@@ -233,9 +233,12 @@ class RolloutEngine:
     now = self.clock.now()
     if self.balancer is not None:
       self._balance(now)
+    generating = False
     for pool in self.pools.values():
       for inst in pool.instances:
         inst.submit_next(self._keys, self.sampling[pool.agent], self.max_batch, now)
+        generating = generating or inst.pending is not None
+    return generating
 
   def _balance(self, now: float) -> None:
     self.balancer.observe({a: float(p.outstanding) for a, p in self.pools.items()})
