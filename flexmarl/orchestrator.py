@@ -55,8 +55,9 @@ class Rollout:
   count what was consumed so far; `starvation` sees which agents each query reached."""
 
   def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
-               starvation: StarvationWatch):
+               starvation: StarvationWatch, started: float):
     self._results, self._journal, self._starvation = results, journal, starvation
+    self.started = started  # when its first requests could be dispatched
     self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
     self._limit = spec.rollout.max_step_queries
     self.queries = 0
@@ -110,8 +111,9 @@ class JointOrchestrator:
     stream `start_rollout` began. Leaving the block abandons the queries still in
     flight: they are served again next step (at the next version), so what a step
     consumes depends only on the stream."""
+    started = self._step_end if self._started is not None else self.clock.now()
     results, self._started = self._started or self._open_stream(), None
-    rollout = Rollout(results, self.spec, self.journal, self.starvation)
+    rollout = Rollout(results, self.spec, self.journal, self.starvation, started)
     try:
       yield rollout
     finally:

@@ -47,6 +47,7 @@ class Rollout(Protocol):
 
   queries: int  # consumed so far
   tokens: dict[str, int]  # response tokens per agent, so far
+  started: float  # when it began (`start_rollout` may begin it in the step before)
 
   def __iter__(self) -> Iterator[dict[str, list[Group]]]:
     ...
@@ -131,7 +132,6 @@ class Sync(Buffered):
                         spec.grpo.dynamic_sampling)
 
   def run_step(self, ctx: StepContext) -> StepResult:
-    t0 = ctx.clock.now()
     versions = {n: ctx.version(n) for n in self.buffers}
     early = dict.fromkeys(self.buffers, 0)  # micro-batches trained during the rollout
     updates: dict[str, Callable[[], Stats]] = {}  # dispatched during the rollout
@@ -151,12 +151,14 @@ class Sync(Buffered):
               updates[name] = ctx.update(name, builder.kept, [])
         if all(b.full for b in self.buffers.values()):
           break
-    rollout_s = ctx.clock.now() - t0
+    rollout_s = ctx.clock.now() - rollout.started
     full = [n for n, b in self.buffers.items() if b.full]
-    stats = self.train(ctx, full, updates)
-    # Every update is published: the next step's generation runs while this step's
-    # bookkeeping (here and in the orchestrator) goes on.
+    finishes = self.train(ctx, full, updates)
+    # Every update is dispatched and its weights published: the next step's generation
+    # starts now, behind the updates on the devices, while this step waits for their
+    # stats and finishes its bookkeeping (here and in the orchestrator).
     ctx.start_rollout()
+    stats = {name: finish() for name, finish in finishes.items()}
     lines: Lines = {}
     for name, builder in self.buffers.items():
       line = dict(batch_stats(builder.kept), policy_version=versions[name],
@@ -170,15 +172,20 @@ class Sync(Buffered):
     return StepResult(lines, rollout_s, rollout.queries, sum(rollout.tokens.values()))
 
   def train(self, ctx: StepContext, full: list[str], updates: dict[str, Callable[[], Stats]]
-            ) -> dict[str, Stats]:
-    """Train every full agent on its batch and publish; `updates`: those dispatched
-    already. Returns each one's stats."""
-    stats = {}
-    for name in full:
+            ) -> dict[str, Callable[[], Stats]]:
+    """Train every full agent on its batch, one after another (each update is
+    dispatched once the one before has finished), and publish each one's weights;
+    `updates`: those dispatched already. Returns a function per agent that gives its
+    stats (waiting for the last update)."""
+    finishes: dict[str, Callable[[], Stats]] = {}
+    for i, name in enumerate(full):
+      if i:
+        earlier = finishes[full[i - 1]]()
+        finishes[full[i - 1]] = lambda stats=earlier: stats
       builder = self.buffers[name]
-      stats[name] = ctx.update(name, builder.kept, builder.micro_batches(final=True))()
+      finishes[name] = ctx.update(name, builder.kept, builder.micro_batches(final=True))
       ctx.publish(name)
-    return stats
+    return finishes
 
 
 class SyncParallel(Sync):
@@ -189,23 +196,21 @@ class SyncParallel(Sync):
     finishes = {name: ctx.update(name, self.buffers[name].kept,
                                  self.buffers[name].micro_batches(final=True))
                 for name in full}
-    stats = {name: finish() for name, finish in finishes.items()}
     for name in full:
       ctx.publish(name)
-    return stats
+    return finishes
 
 
 class FlexPipeline(Sync):
   """The micro-batch pipeline: train each micro-batch as soon as it is complete; the
-  new weights are published at the end of the step."""
+  new weights are published once the rollout has ended."""
 
   pipelined = True
 
   def train(self, ctx, full, updates):
-    stats = {name: updates[name]() for name in full}
     for name in full:
       ctx.publish(name)
-    return stats
+    return {name: updates[name] for name in full}
 
 
 class Async(Buffered):

@@ -101,13 +101,16 @@ def test_overlapped_swaps_leave_the_rollout_alone():
 def test_first_calls_compile_and_warm_up_steps_are_left_out():
   # sync, two steps; compiling costs 1 s for the first micro-batch and 0.5 s for the
   # first generate call (both agents share one kind here: the rates give no model).
-  # Step 0: 6 + 0.5 (query 0's router call) + 2.9 + 1 + 6.9 = 17.3; step 1: 15.8.
+  # Step 0: 6 + 0.5 (query 0's router call) + 2.9 + 1 + 6.9 = 17.3. Step 1: a's new
+  # weights are published at 10.4, before b's update [10.4, 17.3], and the next rollout
+  # starts with them: query 0's router call [10.4, 11.4] runs while b trains, so step 1
+  # takes 6 - 1 + 2.9 + 6.9 = 14.8 after step 0's end.
   setup = _setup()
   setup.steps, setup.warmup_steps = 2, 1
   setup.compile_s = dict(train=1.0, rollout=0.5)
   r = simulate(setup, 'sync')
-  assert r.step_times == [pytest.approx(17.3), pytest.approx(15.8)]
-  assert r.step_s == pytest.approx(15.8)
+  assert r.step_times == [pytest.approx(17.3), pytest.approx(14.8)]
+  assert r.step_s == pytest.approx(14.8)
   setup.warmup_steps = 2
   with pytest.raises(ValueError, match='warmup_steps=2'):
     simulate(setup, 'sync')

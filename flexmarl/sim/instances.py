@@ -84,11 +84,12 @@ class SimSampler:
     self.busy_until = clock.now()
     self.closed = False
 
-  def _reserve(self, seconds: float) -> tuple[float, float]:
-    """The instance's next free interval of `seconds`, in submission order."""
+  def _reserve(self, seconds: float, earliest: float = 0.0) -> tuple[float, float]:
+    """The instance's next free interval of `seconds` from `earliest` on, in submission
+    order."""
     if self.closed:
       raise RuntimeError(f'SimSampler {self.track or self.agent!r} is closed.')
-    start = max(self.clock.now(), self.busy_until)
+    start = max(self.clock.now(), self.busy_until, earliest)
     if self.cores is not None:
       start, _ = self.cores.reserve(start, seconds)
     self.busy_until = start + seconds
@@ -128,9 +129,11 @@ class SimSampler:
                        np.where(valid, -1.0, 0.0).astype(np.float32), lengths)
 
   def update_weights(self, state: Any, version: int) -> None:
-    """Takes `sync_s` after what is queued; batches submitted later see `version`."""
-    del state  # the simulator moves no weights, it only charges their transfer time
-    start, end = self._reserve(self.sync_s)
+    """Takes `sync_s` after what is queued and once the weights are ready (a
+    `SimTrainer`'s `params` say when); batches submitted later see `version`."""
+    # The simulator moves no weights, it only charges their transfer time.
+    ready = float(state['ready_s']) if isinstance(state, Mapping) and 'ready_s' in state else 0.0
+    start, end = self._reserve(self.sync_s, ready)
     if self.recorder is not None:
       self.recorder.add(self.track, spans.WEIGHT_SYNC, start, end, agent=self.agent,
                         version=version)

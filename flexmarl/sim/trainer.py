@@ -114,7 +114,9 @@ class SimTrainer:
     self.mesh: SimMesh | None = None  # the pool mesh it is bound to
     self._location: Location = OnHost() if group is None else OnMesh(group, {})
     self._incoming: tuple[SimMesh, Location, float, float] | None = None  # a prefetch
-    self.params = {'version': np.zeros((), np.int32)}  # placeholder: no weights are simulated
+    # No weights are simulated: `params` says only when the last update's are ready
+    # (SimSampler.update_weights syncs them no earlier).
+    self.params = {'ready_s': np.zeros((), np.float64)}
     self._update = 0  # the agent's updates before the one being accumulated
     self._tokens = 0  # tokens accumulated since the last optimizer step
     self._micro_batches = 0
@@ -237,6 +239,7 @@ class SimTrainer:
       end = self._run(spans.SWAP_OUT, self.offload_s)
     stats = dict(trained_tokens=self._tokens, micro_batches=self._micro_batches)
     self._tokens = self._micro_batches = 0
+    self.params = {'ready_s': np.asarray(end, np.float64)}
 
     def result() -> dict[str, float]:
       if self.clock.now() < end:
