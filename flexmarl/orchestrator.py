@@ -55,9 +55,8 @@ class Rollout:
   count what was consumed so far; `starvation` sees which agents each query reached."""
 
   def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
-               starvation: StarvationWatch, started: float):
+               starvation: StarvationWatch):
     self._results, self._journal, self._starvation = results, journal, starvation
-    self.started = started  # when its first requests could be dispatched
     self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
     self._limit = spec.rollout.max_step_queries
     self.queries = 0
@@ -111,9 +110,8 @@ class JointOrchestrator:
     stream `start_rollout` began. Leaving the block abandons the queries still in
     flight: they are served again next step (at the next version), so what a step
     consumes depends only on the stream."""
-    started = self._step_end if self._started is not None else self.clock.now()
     results, self._started = self._started or self._open_stream(), None
-    rollout = Rollout(results, self.spec, self.journal, self.starvation, started)
+    rollout = Rollout(results, self.spec, self.journal, self.starvation)
     try:
       yield rollout
     finally:
@@ -121,10 +119,11 @@ class JointOrchestrator:
       self.next_query += rollout.queries
 
   def start_rollout(self) -> None:
-    """Dispatch the next step's first requests now, to the weights just published:
-    they generate while this step's host work (metrics, the store's queue, a
-    checkpoint) goes on. The next `rollout` continues this stream. A no-op after the
-    run's last step."""
+    """Dispatch the next step's first requests now, to the weights published so far
+    (an instance takes an update's weights behind it): they generate while this step
+    waits for its stats and finishes its host work (metrics, the store's queue, a
+    checkpoint). The next `rollout` continues this stream. A no-op after the run's
+    last step."""
     if self._started is None and self.step + 1 < self.spec.steps:
       self._started = self._open_stream()
       self._started.start()

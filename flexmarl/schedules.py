@@ -47,7 +47,6 @@ class Rollout(Protocol):
 
   queries: int  # consumed so far
   tokens: dict[str, int]  # response tokens per agent, so far
-  started: float  # when it began (`start_rollout` may begin it in the step before)
 
   def __iter__(self) -> Iterator[dict[str, list[Group]]]:
     ...
@@ -132,6 +131,7 @@ class Sync(Buffered):
                         spec.grpo.dynamic_sampling)
 
   def run_step(self, ctx: StepContext) -> StepResult:
+    t0 = ctx.clock.now()  # the rollout's wait: what of it the step before hid is not in it
     versions = {n: ctx.version(n) for n in self.buffers}
     early = dict.fromkeys(self.buffers, 0)  # micro-batches trained during the rollout
     updates: dict[str, Callable[[], Stats]] = {}  # dispatched during the rollout
@@ -151,7 +151,7 @@ class Sync(Buffered):
               updates[name] = ctx.update(name, builder.kept, [])
         if all(b.full for b in self.buffers.values()):
           break
-    rollout_s = ctx.clock.now() - rollout.started
+    rollout_s = ctx.clock.now() - t0
     full = [n for n, b in self.buffers.items() if b.full]
     finishes = self.train(ctx, full, updates)
     # Every update is dispatched and its weights published: the next step's generation
