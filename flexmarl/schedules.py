@@ -131,7 +131,7 @@ class Sync(Buffered):
                         spec.grpo.dynamic_sampling)
 
   def run_step(self, ctx: StepContext) -> StepResult:
-    t0 = ctx.clock.now()  # the rollout's wait: what of it the step before hid is not in it
+    t0 = ctx.clock.now()  # rollout_s: this step's wait on its rollout (not what ran earlier)
     versions = {n: ctx.version(n) for n in self.buffers}
     early = dict.fromkeys(self.buffers, 0)  # micro-batches trained during the rollout
     updates: dict[str, Callable[[], Stats]] = {}  # dispatched during the rollout
