@@ -4,7 +4,7 @@ The RolloutEngine runs a rollout as an async generator on its private event loop
 object drives it from synchronous code: iterating gives each query's result in stream
 order. `start` runs it only until its first requests are dispatched to the instances
 and returns, so that their generation runs on the devices while the caller finishes
-other host work (the previous step's metrics, the store's queue); iterating goes on
+other host work (the step's stats and metrics, the store's queue); iterating goes on
 from there. Closing it abandons the queries in flight.
 """
 
