@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import math
 import os
 import shutil
 import time
@@ -61,7 +63,7 @@ class AgentState:
 
   @property
   def nbytes(self) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(self.arrays()))
 
 
@@ -94,10 +96,36 @@ def _shardings(state: AgentState, to: OnMesh) -> dict:
   return out
 
 
+def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  return arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_copy(targets: tuple[NamedSharding, ...]) -> Any:
+  """The compiled copy onto `targets` (built once per state layout and place: swaps
+  repeat them, and building the jit wrapper costs as much as the copy)."""
+  return jax.jit(_identity, out_shardings=targets)
+
+
+def _copy(leaves: list, targets: list) -> list:
+  """`leaves` (jax arrays or numpy) copied to `targets` (shardings, one each). Where every
+  array already lies on its target's mesh (a release to that mesh's host memory, a bind
+  back onto it), one compiled copy moves them all: a small state's per-array costs
+  would dominate a `device_put` (80 arrays of a 1 MB state: 2.4 ms against 0.4 ms on
+  CPU). Otherwise (another mesh, numpy) one batched `device_put`."""
+  if not leaves:
+    return []
+  meshes = {getattr(t, 'mesh', None) for t in targets}
+  if (len(meshes) == 1 and None not in meshes
+      and all(isinstance(x, jax.Array) and getattr(x.sharding, 'mesh', None) in meshes
+              for x in leaves)):
+    return list(_compiled_copy(tuple(targets))(*leaves))
+  return jax.device_put(leaves, targets)
+
+
 def _to_host(arrays: dict) -> dict:
   """Device arrays to pinned host memory (same layout) where the platform has it, else
-  numpy; numpy stays numpy. One `device_put` for all the arrays that go to pinned host
-  memory: jax batches their copies (per array, a small state's fixed costs dominate)."""
+  numpy; numpy stays numpy."""
   leaves, treedef = jax.tree.flatten(arrays)
   has = {}  # per device: whether it has pinned host memory (asked once)
 
@@ -108,11 +136,11 @@ def _to_host(arrays: dict) -> dict:
     if device not in has:
       has[device] = has_pinned_host(device)
     return has[device]
-  to_pin = [x for x in leaves if pinnable(x)]
-  pinned = iter(jax.device_put(to_pin, [x.sharding.with_memory_kind('pinned_host')
-                                        for x in to_pin]))
-  return jax.tree.unflatten(treedef, [next(pinned) if pinnable(x) else np.asarray(x)
-                                      for x in leaves])
+  pin = [pinnable(x) for x in leaves]
+  to_pin = [x for x, p in zip(leaves, pin) if p]
+  pinned = iter(_copy(to_pin, [x.sharding.with_memory_kind('pinned_host') for x in to_pin]))
+  return jax.tree.unflatten(treedef, [next(pinned) if p else np.asarray(x)
+                                      for x, p in zip(leaves, pin)])
 
 
 def _abstract(arrays: dict) -> dict:
@@ -174,15 +202,21 @@ def move(state: AgentState, to: Location, *, wait: bool = True
 
 def put(state: AgentState, to: Location, *, wait: bool = True
         ) -> tuple[AgentState, Transfer]:
-  """`state`'s in-memory arrays (wherever they are: any device, host, numpy) at `to`."""
-  start = time.perf_counter()
+  """`state`'s in-memory arrays (wherever they are: any device, host, numpy) at `to`.
+  Waiting, the seconds reported are the copy's alone: the clock starts once the arrays
+  are computed (a release follows the agent's last dispatched update)."""
   arrays = state.arrays()
+  if wait:
+    jax.block_until_ready(arrays)
+  start = time.perf_counter()
   if isinstance(to, InStorage):
     os.makedirs(to.path, exist_ok=True)
     _save(to.path, arrays)
     arrays = _abstract(arrays)
   elif isinstance(to, OnMesh):
-    arrays = jax.device_put(arrays, _shardings(state, to))
+    leaves, treedef = jax.tree.flatten(arrays)
+    arrays = jax.tree.unflatten(treedef, _copy(leaves, treedef.flatten_up_to(
+        _shardings(state, to))))
   else:
     arrays = _to_host(arrays)
   return _done(state, to, arrays, start, wait)
