@@ -39,6 +39,20 @@ def test_agents_stay_where_their_state_is_and_avoid_other_waiting_states():
   assert allocate([waiting[0], waiting[2]], free) == {'z': 'm2', 'a': 'm1'}
 
 
+def test_an_agent_goes_back_to_the_mesh_whose_host_memory_holds_its_state():
+  # Both meshes hold idle agents' states; m0 was idle longest, but a's state sits in
+  # m1's host memory (a copy back onto the same devices is the cheaper one).
+  free = [FreeMesh('m0', F2, resident='x', idle_since=1.0),
+          FreeMesh('m1', F2, resident='y', idle_since=2.0)]
+  assert allocate([Waiting('a', 1, F2, since=0.0)], free) == {'a': 'm0'}
+  assert allocate([Waiting('a', 1, F2, since=0.0, near='m1')], free) == {'a': 'm1'}
+  # Near does not beat a mesh that holds no state, nor move a waiting agent's state.
+  assert allocate([Waiting('a', 1, F2, since=0.0, near='m1')],
+                  [free[0], FreeMesh('m2', F2), free[1]]) == {'a': 'm2'}
+  assert allocate([Waiting('a', 1, F2, since=0.0, near='m1'),
+                   Waiting('y', 1, F2, since=5.0, location='m1')], free) == {'a': 'm0', 'y': 'm1'}
+
+
 def test_fairness_beats_locality_and_shapes_must_match():
   # One free mesh: the oldest agent gets it even though another agent's state is there.
   waiting = [Waiting('old', 1, F2, since=0.0), Waiting('home', 5, F2, since=3.0, location='m0')]

@@ -44,11 +44,14 @@ EXPECTED = {
     # 2B + OPT; c takes pool0 (idle longest): its micro-batches, queued first, had its
     # state prefetched onto pool0 (S, waited for: the step follows at once); a's copy out
     # (S) comes next on pool0's link, while c trains 2C + OPT: hidden.
-    # Step 2: each agent takes the mesh idle longest: its state is prefetched there (S,
-    # waited for), and the resident's copy out overlaps its training: three swaps of S
-    # in the way (before the copies out ran off the caller's thread: six).
+    # Step 2: a goes back to pool0, whose host memory holds its state (not to pool1,
+    # idle longest), prefetched there (S, waited for); c's copy out overlaps a's
+    # training. b finds its state still on pool1. c goes back to pool0 (S), a's copy out
+    # overlaps c's training: two swaps of S in the way (before the allocator preferred
+    # the mesh near a state: three; before the copies out ran off the caller's thread:
+    # six).
     'sync': [2 * Q + 3 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
-             2 * Q + 3 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
+             2 * Q + 2 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
     # Rollout 2Q. a in on the empty pool0 (S) at 2Q, its work dispatched; b in on the
     # empty pool1 (S), its work 2B + OPT; c's micro-batches wait (no mesh without a state)
     # while its state is prefetched onto pool0 (S, over the link a's copy in has left).

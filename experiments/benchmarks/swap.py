@@ -12,6 +12,12 @@ for host), and for storage a raw `ndarray.tofile` / `np.fromfile` of each array.
 the best of `repeats` for each, as MB/s and as the ratio move / baseline (1.0: no overhead;
 storage reads come from the page cache). The last line is JSON.
 
+A real agent's state (`--agent_presets=tiny,base`, instead of the above): an
+`AgentTrainer` of each model preset (its params, AdamW state and RNG: many small arrays,
+where a swap's fixed costs per array show) on a (1, 1) mesh, released to host memory
+and bound again, `--cycles` times; reports the median milliseconds of a release, of a
+bind back onto the same mesh, and of a bind onto another mesh.
+
 End to end (`--end_to_end_steps=N`, instead of the above): the default experiment
 (`experiments/hierarchical_assistant.py`, 4 agents) with each agent on a mesh of its own,
 and with a training pool of half as many meshes (`training.pool_devices=2`), alternated
@@ -45,6 +51,9 @@ _END_TO_END = flags.DEFINE_integer('end_to_end_steps', 0, 'Run the end-to-end co
 _E2E_WARMUP = flags.DEFINE_integer('end_to_end_warmup', 10, 'Steps left out of the end-to-end '
                                     'figures (compilation, first swaps).')
 _E2E_REPEATS = flags.DEFINE_integer('end_to_end_repeats', 1, 'Alternated runs of each setup.')
+_PRESETS = flags.DEFINE_list('agent_presets', [], 'Time the swaps of a real agent state of '
+                             'these model presets instead (e.g. tiny,base).')
+_CYCLES = flags.DEFINE_integer('cycles', 50, 'Release/bind cycles per agent preset.')
 _CHUNK = 64 * 2**20
 
 
@@ -127,6 +136,31 @@ def _bench(nbytes: int, root: str, repeats: int) -> dict:
   return out
 
 
+def _agent_swaps(preset: str, cycles: int) -> dict:
+  from flexmarl.models.transformer import PRESETS, ModelConfig
+  from flexmarl.train.grpo import GRPOConfig
+  from flexmarl.train.spec import OptimizerConfig
+  from flexmarl.train.trainer import AgentTrainer
+
+  layout = sharding.MeshLayout((1, 1), ('data', 'fsdp'))
+  trainer = AgentTrainer(preset, ModelConfig(**{**PRESETS[preset], 'vocab_size': 512}),
+                         OptimizerConfig(), GRPOConfig(), layout, seed=0)
+  meshes = [sharding.make_mesh(jax.devices()[i:i + 1], (1, 1), layout.axes) for i in (0, 1)]
+  times = {'release': [], 'bind, same mesh': [], 'bind, other mesh': []}
+  trainer.bind(meshes[0])
+  for i in range(cycles + 2):  # the first two compile
+    for name, mesh in (('bind, same mesh', meshes[i % 2]), ('bind, other mesh', meshes[1 - i % 2])):
+      t0 = time.perf_counter()
+      trainer.release()
+      t1 = time.perf_counter()
+      trainer.bind(mesh)
+      if i >= 2:
+        times['release'].append(t1 - t0)
+        times[name].append(time.perf_counter() - t1)
+  return dict(arrays=len(jax.tree.leaves(trainer.state.arrays())), bytes=trainer.state.nbytes,
+              **{k: statistics.median(v) * 1e3 for k, v in times.items()})
+
+
 def _end_to_end(steps: int, warmup: int, repeats: int, root: str) -> dict:
   from experiments import hierarchical_assistant
   from flexmarl.config import training_config
@@ -160,6 +194,14 @@ def _end_to_end(steps: int, warmup: int, repeats: int, root: str) -> dict:
 
 def main(argv):
   del argv
+  if _PRESETS.value:
+    results = {p: _agent_swaps(p, _CYCLES.value) for p in _PRESETS.value}
+    for p, r in results.items():
+      print(f"{p:<6} {r['arrays']} arrays, {r['bytes'] / 1e6:.1f} MB: release "
+            f"{r['release']:.2f} ms, bind same mesh {r['bind, same mesh']:.2f} ms, "
+            f"other mesh {r['bind, other mesh']:.2f} ms")
+    print(json.dumps(results))
+    return
   if _END_TO_END.value:
     with tempfile.TemporaryDirectory() as tmp:
       print(json.dumps(_end_to_end(_END_TO_END.value, _E2E_WARMUP.value, _E2E_REPEATS.value,

@@ -21,6 +21,7 @@ class Waiting:
   layout: Hashable  # the mesh layout it trains on (a sharding.MeshLayout)
   since: float  # when it was last served (or began waiting): the oldest goes first
   location: str | None = None  # the free mesh its state still sits on, if any
+  near: str | None = None  # the mesh whose host memory holds its state (a cheaper copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,8 @@ def allocate(waiting: Sequence[Waiting], free: Sequence[FreeMesh]) -> dict[str, 
   remains. Then where: each served agent keeps the mesh its state is on (no move);
   the others take, in queue order, a free mesh of their layout, preferring one that
   holds no state, then one holding the state of an agent that is not waiting (so a
-  waiting agent's state stays put for its next turn), the one idle longest first. One
-  agent per mesh.
+  waiting agent's state stays put for its next turn), then the one `near` its state,
+  then the one idle longest. One agent per mesh.
   """
   queue = sorted((w for w in waiting if w.ready > 0), key=lambda w: (w.since, -w.ready, w.agent))
   if len({w.agent for w in queue}) != len(queue):
@@ -65,7 +66,7 @@ def allocate(waiting: Sequence[Waiting], free: Sequence[FreeMesh]) -> dict[str, 
     taken = set(bindings.values())
     options = [m for m in free if m.layout == w.layout and m.name not in taken]
     best = min(options, key=lambda m: (m.resident is not None, m.resident in waiting_agents,
-                                       m.idle_since, order[m.name]))
+                                       m.name != w.near, m.idle_since, order[m.name]))
     bindings[w.agent] = best.name
   return bindings
 

@@ -81,6 +81,9 @@ class TrainingEngine:
     self.log: collections.deque[dict] = collections.deque(maxlen=RECENT_SWAPS)
     self._stats = {a: self._empty() for a in self.trainers}
     self._prefetched: dict[str, str] = {}  # agent -> the mesh its state is moving onto
+    # agent -> the mesh it was released from, while its state is in that mesh's host
+    # memory: a copy back onto the same devices is one compiled copy (train.state).
+    self._near: dict[str, str] = {}
     self._tick = 0
     self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}
     self._lock = threading.RLock()
@@ -131,7 +134,7 @@ class TrainingEngine:
             self._run_queue(agent)
         # A waiting agent whose state is being prefetched onto a mesh counts as there.
         waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a],
-                           self.where[a] or self._prefetched.get(a))
+                           self.where[a] or self._prefetched.get(a), self._near.get(a))
                    for a, q in self.queues.items() if q]
         free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
                 for m, mesh in self.meshes.items() for a in [self.bound[m]]]
@@ -187,12 +190,14 @@ class TrainingEngine:
     mesh = self.where[agent]
     self.bound[mesh], self.where[agent] = None, None
     self._start_move(agent, mesh, self._copies[mesh], OnHost())
+    self._near[agent] = mesh
     if not self.host_budget:
       return
     on_host = {a: t.state.nbytes for a, t in self.trainers.items()
                if isinstance(self._destination(a), OnHost)}
     keep = {a for a, q in self.queues.items() if q}
     for evicted in evict_lru(on_host, self.last_used, self.host_budget, keep):
+      self._near.pop(evicted, None)
       self._start_move(evicted, 'host', self._storage_copies,
                        InStorage(os.path.join(self.storage_dir, evicted)))
 
@@ -245,7 +250,8 @@ class TrainingEngine:
         self._settle(w.agent)
       mesh = targets.get(w.agent)
       if mesh is None or mesh not in meshes:
-        mesh = next((m for m in meshes if self.meshes[m].shape == w.layout), None)
+        mesh = next((m for m in sorted(meshes, key=lambda m: m != self._near.get(w.agent))
+                     if self.meshes[m].shape == w.layout), None)
       if mesh is None:
         continue
       meshes.remove(mesh)
