@@ -102,12 +102,19 @@ def test_pool_run_equals_agents_on_their_own_meshes(runs, run, tolerance):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
 
 
-def test_every_agent_ran_on_both_meshes_and_swaps_were_counted(runs):
+def test_agents_took_turns_on_the_meshes_and_swaps_were_counted(runs):
+  # An agent goes back to the mesh it left (its state is in that mesh's host memory), so
+  # each mesh serves its own agents in turn; moves between meshes are checked bit for bit
+  # in test_train_state.
   lines = _lines(runs['pool'])
+  served = {'pool0': set(), 'pool1': set()}
+  for l in lines:
+    for m in filter(None, l['meshes'].split(',')):
+      served[m].add(l['agent'])
+  assert all(len(agents) >= 2 for agents in served.values()), served
+  assert set().union(*served.values()) == set(AGENTS)
   for agent in AGENTS:
     mine = [l for l in lines if l['agent'] == agent]
-    used = {m for l in mine for m in l['meshes'].split(',') if m}
-    assert used == {'pool0', 'pool1'}, (agent, [l['meshes'] for l in mine])
     assert sum(l['swaps'] for l in mine) >= 2 and sum(l['swap_bytes'] for l in mine) > 0
   assert all('meshes' not in l for l in _lines(runs['own']))
   assert os.listdir(os.path.join(runs['pool'], 'swap'))  # the host budget sent states to storage
