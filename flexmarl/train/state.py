@@ -102,8 +102,9 @@ def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _compiled_copy(targets: tuple[NamedSharding, ...]) -> Any:
-  """The compiled copy onto `targets` (built once per state layout and place: swaps
-  repeat them, and building the jit wrapper costs as much as the copy)."""
+  """The compiled copy onto `targets`, memoized like jax's own caches (one per state
+  layout and place: swaps repeat them, and building the jit wrapper each time would
+  cost about as much as the copy)."""
   return jax.jit(_identity, out_shardings=targets)
 
 
@@ -111,8 +112,8 @@ def _copy(leaves: list, targets: list) -> list:
   """`leaves` (jax arrays or numpy) copied to `targets` (shardings, one each). Where every
   array already lies on its target's mesh (a release to that mesh's host memory, a bind
   back onto it), one compiled copy moves them all: a small state's per-array costs
-  would dominate a `device_put` (80 arrays of a 1 MB state: 2.4 ms against 0.4 ms on
-  CPU). Otherwise (another mesh, numpy) one batched `device_put`."""
+  would dominate a `device_put` (a release of 80 arrays, 1.3 MB, on CPU: 2.2 ms against
+  0.7 ms). Otherwise (another mesh, numpy) one batched `device_put`."""
   if not leaves:
     return []
   meshes = {getattr(t, 'mesh', None) for t in targets}
