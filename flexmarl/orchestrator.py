@@ -107,10 +107,12 @@ class JointOrchestrator:
   @contextlib.contextmanager
   def rollout(self) -> Iterator[Rollout]:
     """Stream queries from the next unconsumed one (see `Rollout`), or go on with the
-    stream `start_rollout` began. Leaving the block abandons the queries still in
-    flight: they are served again next step (at the next version), so what a step
-    consumes depends only on the stream."""
+    stream `start_rollout` began; every agent expects to train (`Agent.expect_training`).
+    Leaving the block abandons the queries still in flight: they are served again next
+    step (at the next version), so what a step consumes depends only on the stream."""
     results, self._started = self._started or self._open_stream(), None
+    for agent in self.agents.values():
+      agent.expect_training()
     rollout = Rollout(results, self.spec, self.journal, self.starvation)
     try:
       yield rollout

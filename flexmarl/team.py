@@ -140,6 +140,12 @@ class Agent:
       self.engine.submit(self.name, work)
       self.engine.run((self.name,) if urgent else ())
 
+  def expect_training(self) -> None:
+    """The agent's batch starts filling (a step's rollout has begun): on a training
+    pool its state starts moving toward the mesh it will train on."""
+    if self.engine is not None:
+      self.engine.expect(self.name)
+
   def swap_stats(self) -> dict:
     """Where the agent trained since the last call and its swap costs ({} without a pool)."""
     return {} if self.engine is None else self.engine.step_stats(self.name)

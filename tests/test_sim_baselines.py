@@ -61,34 +61,37 @@ def _pool():
 
 
 def test_more_agents_than_meshes_swap_in_turn():
-  # sync: rollout 6. a binds: swap in [6, 7] (the engine waits for it), a's update
-  # [7, 9.9]. b binds: a's state leaves on the mesh's copy thread once its work is done
-  # [9.9, 10.9], not holding anyone up, while b's comes in [9.9, 10.9] (the two states
-  # share the mesh for the copy); b's update [10.9, 17.8]   ->   17.8
+  # sync: the rollout begins and both agents expect to train: a's state is prefetched
+  # [0, 1] (one prefetch per mesh: b's waits). Rollout 6. a binds, its copy there, and
+  # b's state is prefetched at once [6, 7], while a's update runs [6, 8.9]. b binds: a's
+  # state leaves on the mesh's copy thread once its work is done [8.9, 9.9], holding no
+  # one up, and b's copy is there already (the two states shared the mesh meanwhile);
+  # b's update [8.9, 15.8]   ->   15.8 (before the rollout's start prefetched: 17.8)
   r = simulate(_pool(), 'sync')
-  assert r.step_times == [pytest.approx(17.8)]
+  assert r.step_times == [pytest.approx(15.8)]
 
 
 def test_pipelined_pool_swaps_once_per_update_and_holds_up_the_rollout():
-  # flexmarl, one mesh. Query 0 ends at 3 with a group for each agent:
-  #   a: swap in [3, 4], micro-batch [4, 5.2]
+  # flexmarl, one mesh. The rollout begins: a's state is prefetched [0, 1] (b's waits:
+  # one prefetch per mesh). Query 0 ends at 3 with a group for each agent:
+  #   a: binds, its copy there; micro-batch [3, 4.2]
   #   b: its micro-batch waits (the mesh holds a's state; a micro-batch is not worth a
-  #      swap); its state is prefetched onto the mesh meanwhile [4, 5]. The bind held
-  #      the rollout: query 1 starts at 4, ends at 7 (a [4, 5], b [5, 7]).
-  #   a: micro-batch and step [7, 8.7]
+  #      swap); its state is prefetched onto the mesh meanwhile [3, 4]. No bind held
+  #      the rollout: query 1 ends at 6.
+  #   a: micro-batch and step [6, 7.7]
   #   b: its step is urgent: a leaves on the mesh's copy thread once its work is done
-  #      [8.7, 9.7], holding no one up; b's state is there already; b's two
-  #      micro-batches and step [8.7, 15.6]   ->   15.6
+  #      [7.7, 8.7], holding no one up; b's state is there already; b's two
+  #      micro-batches and step [7.7, 14.6]   ->   14.6 (as with overlapped swaps)
   r = simulate(_pool(), 'flexmarl')
-  assert r.step_times == [pytest.approx(15.6)]
-  # Busy on the mesh: 2.9 + 6.9 s of training over the 15.6 s step.
-  assert r.utilization['train'] == pytest.approx(9.8 / 15.6)
+  assert r.step_times == [pytest.approx(14.6)]
+  # Busy on the mesh: 2.9 + 6.9 s of training over the 14.6 s step.
+  assert r.utilization['train'] == pytest.approx(9.8 / 14.6)
 
 
 def test_overlapped_swaps_leave_the_rollout_alone():
-  # As above with swaps that do not block (the paper's engine). a's bind returns at
-  # once: its copy [3, 4], its micro-batch [4, 5.2]; b's state is prefetched [4, 5].
-  # Query 1 starts at 3, ends at 6. a: micro-batch and step [6, 7.7]. b's step: a's
+  # As above with swaps that do not block (the paper's engine): the same times, as no
+  # swap blocks there either. a's copy [0, 1], its micro-batch [3, 4.2]; b's state is
+  # prefetched [3, 4]. Query 1 starts at 3, ends at 6. a: micro-batch and step [6, 7.7]. b's step: a's
   # copy out waits for a's work [7.7, 8.7] but nothing waits for it; b's state is
   # there already; b's two micro-batches and step [7.7, 14.6]   ->   14.6
   setup = _pool()

@@ -40,35 +40,35 @@ S = 1e9 / 1e9  # a swap: a 1 GB state over a mesh's host link of 1 GB/s (one dev
 W = 1e9 / 0.5e9  # a state written to storage at 0.5 GB/s
 
 EXPECTED = {
-    # Rollout 2Q. a binds to pool0 (S), trains 2A + OPT; b to the empty pool1 (S), trains
-    # 2B + OPT; c takes pool0 (idle longest): its micro-batches, queued first, had its
-    # state prefetched onto pool0 (S, waited for: the step follows at once); a's copy out
-    # (S) comes next on pool0's link, while c trains 2C + OPT: hidden.
-    # Step 2: a goes back to pool0, whose host memory holds its state (not to pool1,
-    # idle longest), prefetched there (S, waited for); c's copy out overlaps a's
-    # training. b finds its state still on pool1. c goes back to pool0 (S), a's copy out
-    # overlaps c's training: two swaps of S in the way (before the allocator preferred
-    # the mesh near a state: three; before the copies out ran off the caller's thread:
-    # six).
-    'sync': [2 * Q + 3 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
-             2 * Q + 2 * S + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
-    # Rollout 2Q. a in on the empty pool0 (S) at 2Q, its work dispatched; b in on the
-    # empty pool1 (S), its work 2B + OPT; c's micro-batches wait (no mesh without a state)
-    # while its state is prefetched onto pool0 (S, over the link a's copy in has left).
-    # c's step: a's copy out waits for a's work and does not hold up c, whose state is
-    # there already: c's work follows a's at 2Q + S + 2A + OPT, ending 2C + OPT later
-    # (before the copy out ran off the caller's thread, S later). b ends last.
-    'sync_parallel': [max(2 * Q + 2 * S + (2 * B + OPT),
-                          2 * Q + S + (2 * A + OPT) + (2 * C + OPT))],
-    # Query 0 ends at Q: a in (S) and its micro-batch A on pool0; b in on the empty pool1
-    # (S), B; c's micro-batch waits: no mesh without a state, and a micro-batch is not
-    # worth a swap; its state is prefetched onto pool0 meanwhile. Only then does the
-    # rollout admit query 1 (the binds blocked it), which ends Q later. a's second
-    # micro-batch and step follow on pool0 (its first one is done); b's on pool1 end
-    # before c's. c's step is urgent: a's copy out (S) waits for a's work and overlaps
-    # c's; c's state is on pool0 already: c's two micro-batches and step follow a's work
-    # at once (before the copy out ran off the caller's thread, S later).
-    'flexmarl': [2 * Q + 2 * S + (A + OPT) + (2 * C + OPT)],
+    # The rollout begins at 0 and every agent expects to train: a's state is prefetched
+    # onto pool0 and b's onto pool1 [0, S], behind the rollout (2Q); c's waits (no mesh
+    # is left without a state on its way). a binds pool0 at 2Q (its copy is there) and
+    # trains 2A + OPT; once a is bound, c's state is prefetched onto pool0 (a's
+    # mesh: pool1 is b's). b takes its copy on pool1 and trains 2B + OPT; c takes pool0
+    # (its copy there since 2Q + S) and trains 2C + OPT, while a's copy out runs behind:
+    # no swap in the way (before the rollout's start prefetched: three; before the
+    # copies out ran off the caller's thread: six).
+    # Step 2: c and b still on the meshes; a's state, in pool0's host memory, is
+    # prefetched onto pool0 during the rollout. a takes pool0 and c, which trains later
+    # in the step, stays on it; b trains in place; c binds pool0 again with nothing to
+    # copy (a's copy out goes behind): again no swap in the way.
+    'sync': [2 * Q + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT),
+             2 * Q + (2 * A + OPT) + (2 * B + OPT) + (2 * C + OPT)],
+    # As under sync, a and b take their prefetched copies at 2Q: a trains 2A + OPT on
+    # pool0, b 2B + OPT on pool1, and c's state is prefetched onto pool0 meanwhile. c's
+    # step is urgent: a's copy out waits for a's work and does not hold up c, whose
+    # state is there already: c's work follows a's, 2C + OPT. c ends last.
+    'sync_parallel': [max(2 * Q + (2 * B + OPT),
+                          2 * Q + (2 * A + OPT) + (2 * C + OPT))],
+    # a's and b's states are prefetched at 0, behind query 0. Query 0 ends at Q: a
+    # binds pool0 and b pool1 without waiting, their micro-batches start (A, B), and
+    # c's state is prefetched onto pool0; c's micro-batch waits (no mesh without a
+    # state, and a micro-batch is not worth a swap). No bind held up the rollout:
+    # query 1 ends at 2Q. a's second micro-batch follows its first, then its step; b's
+    # end before c's. c's step is urgent: a's copy out waits for a's work and overlaps
+    # c's; c's state is on pool0 already: c's two micro-batches and step follow a's
+    # work at once.
+    'flexmarl': [Q + (2 * A + OPT) + (2 * C + OPT)],
 }
 SWAPS = {'sync': dict(a=2, b=1, c=1), 'sync_parallel': dict(a=2, b=1, c=1),
          'flexmarl': dict(a=2, b=1, c=1)}  # in the first step
@@ -243,3 +243,47 @@ def test_pool_sends_least_recently_used_states_to_storage():
   stats = engine.step_stats('a')
   assert stats['swaps'] == 4 and stats['swap_s'] == pytest.approx(1 + 1 + 2 + 2)
   assert stats['meshes'] == 'pool0'
+
+
+def test_expected_agents_are_prefetched_and_stay_on_the_mesh_they_come_back_to():
+  # One mesh; a, b, c will train (`expect`); work of 1 s each: a's first piece, b's
+  # (urgent: its last), a's second (urgent), c's (urgent). A swap takes 1 s.
+  # expect, at 0: a's state is prefetched onto the idle mesh [0, 1]; b and c wait
+  #   (one prefetch per mesh).
+  # At 2, a binds without waiting (its copy is there) and works [2, 3]; b's state is
+  #   prefetched at once [2, 3].
+  # b takes the mesh: a, still expected, stays on it (nothing is copied out; the mesh
+  #   holds two states, as during a prefetch), so c cannot be prefetched there. b's bind
+  #   waits for its copy (clock 3); b works [3, 4].
+  # a binds again with nothing to copy; b, done for now, is copied out after its work
+  #   [4, 5]; a works [4, 5]; c's state is prefetched behind b's copy out [5, 6].
+  # c takes the mesh: a, done for now, is copied out after the link's copies [6, 7];
+  #   c's bind waits for its copy (clock 6); c works [6, 7].
+  clock = SimClock()
+  trainers, meshes, sim = _pool(clock, 1)
+  engine = TrainingEngine(trainers, meshes, clock=clock,
+                          make_mesh=lambda mesh, layout: sim[mesh.name], make_executor=inline)
+  for n in AGENTS:
+    engine.expect(n)
+  assert sim['pool0'].host.group.busy_until == 1.0  # a's prefetch, alone
+  clock.advance_to(2.0)
+  ends = []
+
+  def work(name, urgent):
+    engine.submit(name, lambda: ends.append(trainers[name].group.run('work', 1.0)))
+    engine.run((name,) if urgent else ())
+  work('a', urgent=False)
+  assert clock.now() == 2.0 and sim['pool0'].host.group.busy_until == 3.0  # b's prefetch
+  work('b', urgent=True)
+  assert trainers['a'].state.location == OnMesh(sim['pool0'], {})  # left on the mesh
+  assert sim['pool0'].host.group.busy_until == 3.0  # and nothing else on its way
+  work('a', urgent=True)
+  work('c', urgent=True)
+  assert ends == [3.0, 4.0, 5.0, 7.0]
+  assert clock.now() == 6.0
+  assert sim['pool0'].host.group.busy_until == 7.0  # a's copy out
+  assert trainers['c'].state.location == OnMesh(sim['pool0'], {})
+  a, b, c = (engine.step_stats(n) for n in AGENTS)
+  assert (a['swaps'], a['swap_wait_s']) == (2, 0.0)  # one bind (prefetched), one copy out
+  assert (b['swaps'], b['swap_wait_s']) == (2, 1.0)
+  assert (c['swaps'], c['swap_wait_s']) == (1, 3.0)

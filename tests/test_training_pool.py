@@ -105,7 +105,9 @@ def test_pool_run_equals_agents_on_their_own_meshes(runs, run, tolerance):
 def test_agents_took_turns_on_the_meshes_and_swaps_were_counted(runs):
   # An agent goes back to the mesh it left (its state is in that mesh's host memory), so
   # each mesh serves its own agents in turn; moves between meshes are checked bit for bit
-  # in test_train_state.
+  # in test_train_state. Every state starts in host memory: each agent swaps in at least
+  # once (an agent expected to train again keeps its state on the mesh it leaves, so
+  # some never swap out).
   lines = _lines(runs['pool'])
   served = {'pool0': set(), 'pool1': set()}
   for l in lines:
@@ -115,7 +117,7 @@ def test_agents_took_turns_on_the_meshes_and_swaps_were_counted(runs):
   assert set().union(*served.values()) == set(AGENTS)
   for agent in AGENTS:
     mine = [l for l in lines if l['agent'] == agent]
-    assert sum(l['swaps'] for l in mine) >= 2 and sum(l['swap_bytes'] for l in mine) > 0
+    assert sum(l['swaps'] for l in mine) >= 1 and sum(l['swap_bytes'] for l in mine) > 0
   assert all('meshes' not in l for l in _lines(runs['own']))
   assert os.listdir(os.path.join(runs['pool'], 'swap'))  # the host budget sent states to storage
 

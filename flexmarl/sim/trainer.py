@@ -183,6 +183,9 @@ class SimTrainer:
     if self.mesh is not None:
       raise RuntimeError(f'agent {self.name!r} is bound to another mesh; release it first.')
     incoming, self._incoming = self._incoming, None
+    if self._location == OnMesh(mesh, {}):  # left there by `unbind`
+      self.mesh, self.group = mesh, mesh.compute
+      return Transfer('mesh', 'mesh', 0, 0.0)
     if incoming is not None and incoming[0] is mesh and incoming[1] == self._location:
       end, seconds = incoming[2:]
     else:
@@ -199,11 +202,11 @@ class SimTrainer:
     source = self._location
     if source == to:
       return Transfer(kind(source), kind(to), 0, 0.0)
-    if self.mesh is not None:
-      rate = (self.mesh.host.bytes_per_s if isinstance(to, OnHost)
-              else self._storage().bytes_per_s)
-      end, seconds = self._copy(self.mesh.host, spans.SWAP_OUT, rate, to,
-                                earliest=max(self.mesh.compute.busy_until, self._ready))
+    if isinstance(source, OnMesh):  # bound, or left there by `unbind`
+      mesh = source.mesh
+      rate = (mesh.host.bytes_per_s if isinstance(to, OnHost) else self._storage().bytes_per_s)
+      end, seconds = self._copy(mesh.host, spans.SWAP_OUT, rate, to,
+                                earliest=max(mesh.compute.busy_until, self._ready))
     else:
       storage = self._storage()
       end, seconds = self._copy(storage, spans.SWAP_OUT, storage.bytes_per_s, to,
@@ -212,6 +215,10 @@ class SimTrainer:
     self.mesh = self.group = None
     self._location = to
     return Transfer(kind(source), kind(to), self.state_bytes, seconds)
+
+  def unbind(self) -> None:
+    """Leave the mesh, the state staying there (a `bind` back onto it copies nothing)."""
+    self.mesh = self.group = None
 
   def accumulate(self, batch: TrainBatch, update: int = 0) -> None:
     """Queue one micro-batch's forward/backward over its real tokens (its padded token

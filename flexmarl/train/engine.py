@@ -1,36 +1,33 @@
 """TrainingEngine: agents take turns on the training pool's meshes.
 
 An agent holds a mesh only while it has work. The schedule hands the engine work
-(`submit`: a micro-batch's gradient, an optimizer step) and `run` carries it out: an
-agent bound to a mesh runs its work there at once (dispatched, not awaited); the
-others wait, and `train.allocator.allocate` (a pure policy) picks which of them gets
-which mesh. A mesh whose agent has no work left is free: its state stays there until
-another agent needs the mesh (so an agent that comes back finds it in place), and is
-then released to host memory, and from there to storage, least recently used first,
-when `host_budget` bytes would be exceeded (`train.allocator.evict_lru`). While one
-agent computes, the next waiting one's state is prefetched onto the mesh it will get.
+(`submit`: a micro-batch's gradient, an optimizer step) and `run` carries it out: a
+bound agent's work runs at once (dispatched, not awaited); the others wait, and
+`train.allocator.allocate` (a pure policy) picks who gets which mesh. A mesh whose
+agent has no work left keeps its state until another agent needs the mesh; it is then
+released to host memory, and from there to storage, least recently used first, past
+`host_budget` bytes (`train.allocator.evict_lru`). While one agent computes, the next
+waiting one's state is prefetched onto the mesh it will get. The schedule also says who
+will train soon (`expect`: a step's rollout has begun): their states are prefetched
+while the meshes serve others or sit idle, and one that leaves a mesh keeps its state
+there (`unbind`) rather than be copied out and back. A mesh holds at most two states:
+its resident's and one on its way or left there (`_prefetched`).
 
-Copies off the caller's thread: a release (mesh -> host) runs on the mesh's copy
-executor and a write to storage on the storage one, so `run` returns without waiting
-for them (a release waits for the agent's dispatched work, which it copies; the caller
-drives the rollout meanwhile). A prefetch runs on the executor of the mesh it goes to,
-behind that mesh's earlier copies. An agent's state is never used while a copy of it is
-in flight: its next bind, prefetch or write to storage waits for that copy first
-(`wait`), and so do checkpoints (`wait`) and `close`. The agent that takes a mesh does
-not wait for the release of the one that leaves it: the two states share the mesh for
-the time of the copy, as they do during a prefetch.
+Copies run off the caller's thread: a release (mesh -> host) on the mesh's copy
+executor, once the agent's dispatched work is done, while the next agent computes there;
+a write to storage on the storage one; a prefetch on the executor of the mesh it goes
+to. A state is never used while a copy of it is in flight: its next bind, prefetch or
+write waits for that copy, and so do checkpoints (`wait`) and `close`.
 
 The engine moves nothing itself: it calls the `PoolTrainer` it binds (`bind`,
-`release`, `prefetch`) on meshes that `make_mesh` builds from the pool's devices, and
-reads time only through its `Clock`. So one engine serves a real run (`AgentTrainer`s,
-jax meshes, the wall clock) and the cluster simulator (simulated trainers, device
-groups, simulated time).
+`release`, `unbind`, `prefetch`) on meshes that `make_mesh` builds, and reads time only
+through its `Clock`: one engine serves a real run (`AgentTrainer`s, jax meshes, the wall
+clock) and the cluster simulator (simulated trainers and devices, simulated time).
 
-Bindings, swaps and their costs are recorded per agent (`step_stats`: `swap_s` the copies
-took, `swap_wait_s` the caller was blocked by them) and as spans on `recorder` (a
-`metrics.spans.SpanRecorder`; None records none): a release spans its copy, a bind the
-time the caller waited; each carries `copy_s` and `wait_s`, so the share of swap time
-hidden is 1 - sum(wait_s) / sum(copy_s).
+Swaps are recorded per agent (`step_stats`: `swap_s` the copies took, `swap_wait_s` the
+caller was blocked by them) and as spans on `recorder` (None records none): a release
+spans its copy, a bind the time the caller waited; each carries `copy_s` and `wait_s`,
+so the share of swap time hidden is 1 - sum(wait_s) / sum(copy_s).
 """
 
 from __future__ import annotations
@@ -80,7 +77,10 @@ class TrainingEngine:
     # a span in the trace; step_stats sums them per agent).
     self.log: collections.deque[dict] = collections.deque(maxlen=RECENT_SWAPS)
     self._stats = {a: self._empty() for a in self.trainers}
-    self._prefetched: dict[str, str] = {}  # agent -> the mesh its state is moving onto
+    # agent -> the mesh its state is moving onto, or was left on (`_leave`), while it
+    # is bound to none: no other state goes there meanwhile.
+    self._prefetched: dict[str, str] = {}
+    self._expected: set[str] = set()  # agents that will bring work soon (`expect`)
     # agent -> the mesh it was released from, while its state is in that mesh's host
     # memory: a copy back onto the same devices is one compiled copy (train.state).
     self._near: dict[str, str] = {}
@@ -117,6 +117,16 @@ class TrainingEngine:
         self.since[agent] = self._next_tick()
       self.queues[agent].append(work)
 
+  def expect(self, agent: str) -> None:
+    """`agent` will bring work before long (a step's rollout has begun); it stays
+    expected until its urgent work runs. While its mesh-to-be is busy with another
+    agent, or idle, its state starts moving there, so that its bind finds it in place
+    (one prefetch per mesh at a time, as for waiting agents)."""
+    with self._lock:
+      self._expected.add(agent)
+      self._reap()
+      self._prefetch_expected()
+
   def run(self, urgent: Collection[str] | None = None) -> None:
     """Carry out the queued work of agents that are bound or can bind to a mesh that
     holds no state, and all the work of the `urgent` agents (None: every agent),
@@ -128,34 +138,56 @@ class TrainingEngine:
     binds it anyway, and every swap in between would be paid twice."""
     with self._lock:
       self._reap()
-      while True:
-        for agent, mesh in self.where.items():
-          if mesh is not None and self.queues[agent]:
-            self._run_queue(agent)
-        # A waiting agent whose state is being prefetched onto a mesh counts as there.
-        waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a],
-                           self.where[a] or self._prefetched.get(a), self._near.get(a))
-                   for a, q in self.queues.items() if q]
-        free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
-                for m, mesh in self.meshes.items() for a in [self.bound[m]]]
-        bindings = allocate(waiting, [m for m in free if m.resident is None])
-        if not bindings:  # an urgent agent may take a mesh from one that is not waiting
-          must = [w for w in waiting if urgent is None or w.agent in urgent]
-          if not must:  # the others wait; their states start moving to where they will go
-            plan = allocate(waiting, free)
-            self._prefetch([w for w in waiting if w.agent in plan
-                            and w.agent not in self._prefetched], plan)
-            return
-          bindings = allocate(must, free)
-          if not bindings:
-            shapes = sorted({w.layout for w in must})
-            raise RuntimeError(f'no mesh of the training pool has the shapes {shapes} of '
-                               f'{[w.agent for w in must]}; config checks should prevent this.')
-        for agent, mesh in bindings.items():
-          self._bind(agent, mesh)
-        self._prefetch([w for w in sorted(waiting, key=lambda w: (w.since, w.agent))
-                        if w.agent not in bindings and w.agent not in self._prefetched],
-                       {a: m for a, m in bindings.items()})
+      self._expected.difference_update(urgent if urgent is not None else self.trainers)
+      self._dispatch(urgent)
+      self._prefetch_expected()
+
+  def _dispatch(self, urgent: Collection[str] | None) -> None:
+    """`run`'s work: bind and run until only agents that must wait are left."""
+    while True:
+      for agent, mesh in self.where.items():
+        if mesh is not None and self.queues[agent]:
+          self._run_queue(agent)
+      # A waiting agent whose state is being prefetched onto a mesh counts as there.
+      waiting = [Waiting(a, len(q), self.trainers[a].layout.shape, self.since[a],
+                         self.where[a] or self._prefetched.get(a), self._near.get(a))
+                 for a, q in self.queues.items() if q]
+      free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
+              for m, mesh in self.meshes.items() for a in [self.bound[m]]]
+      bindings = allocate(waiting, [m for m in free if m.resident is None])
+      if not bindings:  # an urgent agent may take a mesh from one that is not waiting
+        must = [w for w in waiting if urgent is None or w.agent in urgent]
+        if not must:  # the others wait; their states start moving to where they will go
+          plan = allocate(waiting, free)
+          self._prefetch([w for w in waiting if w.agent in plan
+                          and w.agent not in self._prefetched], plan)
+          return
+        bindings = allocate(must, free)
+        if not bindings:
+          shapes = sorted({w.layout for w in must})
+          raise RuntimeError(f'no mesh of the training pool has the shapes {shapes} of '
+                             f'{[w.agent for w in must]}; config checks should prevent this.')
+      for agent, mesh in bindings.items():
+        self._bind(agent, mesh)
+      self._prefetch([w for w in sorted(waiting, key=lambda w: (w.since, w.agent))
+                      if w.agent not in bindings and w.agent not in self._prefetched],
+                     {a: m for a, m in bindings.items()})
+
+  def _prefetch_expected(self) -> None:
+    """Start moving expected agents that are neither bound nor on their way onto meshes
+    no other prefetch targets (the one near each state first; `allocate` decides), the
+    least recently served first."""
+    agents = [a for a in self._expected if self.where[a] is None and a not in self._prefetched]
+    if not agents:
+      return
+    targeted = set(self._prefetched.values())
+    expected = [Waiting(a, 1, self.trainers[a].layout.shape, self.last_used[a],
+                        near=self._near.get(a)) for a in agents]
+    free = [FreeMesh(m, mesh.shape, a, self.last_used[a] if a else 0)
+            for m, mesh in self.meshes.items() if m not in targeted for a in [self.bound[m]]]
+    plan = allocate(expected, free)
+    self._prefetch([w for w in sorted(expected, key=lambda w: (w.since, w.agent))
+                    if w.agent in plan], plan)
 
   def _run_queue(self, agent: str) -> None:
     queue = self.queues[agent]
@@ -176,13 +208,25 @@ class TrainingEngine:
       return
     self._settle(agent)
     if resident is not None:
-      self._release(resident)
+      self._leave(resident, mesh)
     trainer = self.trainers[agent]
     start = self.clock.now()
     transfer = trainer.bind(self.mesh(mesh, trainer.layout))
     end = self.clock.now()
     self._record(agent, mesh, spans.SWAP_IN, transfer, start, end, wait_s=end - start)
     self.bound[mesh], self.where[agent] = agent, mesh
+
+  def _leave(self, agent: str, mesh: str) -> None:
+    """Free the mesh of `agent` for another one. An expected agent's state stays on the
+    mesh (it trains there again soon: copying it out and back would cost two swaps)
+    unless another state is already on its way there; the mesh then holds two states,
+    as during a prefetch."""
+    if agent in self._expected and mesh not in self._prefetched.values():
+      self.trainers[agent].unbind()
+      self.bound[mesh], self.where[agent] = None, None
+      self._prefetched[agent] = mesh
+    else:
+      self._release(agent)
 
   def _release(self, agent: str) -> None:
     """Free the agent's mesh at once; its state moves to host memory on the mesh's copy
@@ -240,9 +284,11 @@ class TrainingEngine:
   def _prefetch(self, unserved: Sequence[Waiting], targets: Mapping[str, str]) -> None:
     """Start moving waiting agents onto meshes (one each) that others work on now: the
     copy overlaps with that work. `targets`: candidate meshes (by agent, for agents
-    with a mesh in view; any agent of the mesh's shape may take one). An agent whose
-    state is still on its way out is left for a later `run`."""
-    meshes = list(targets.values())
+    with a mesh in view; any agent of the mesh's shape may take one), less those
+    another prefetch targets already. An agent whose state is still on its way out is
+    left for a later `run`."""
+    taken = set(self._prefetched.values())
+    meshes = [m for m in targets.values() if m not in taken]
     for w in unserved:
       if w.agent in self._moving:
         if not self._moving[w.agent][0].done():

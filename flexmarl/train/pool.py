@@ -55,8 +55,9 @@ class StateInfo(Protocol):
 class PoolTrainer(Protocol):
   """What the engine moves: one agent's trainer (`train.trainer.AgentTrainer`,
   `sim.trainer.SimTrainer`). `bind` and `release` return once the state is there (as
-  the real copies block; the engine calls `release` on a copy executor); `prefetch`
-  only starts the copy on the executor it is given."""
+  the real copies block; the engine calls `release` on a copy executor); `unbind`
+  leaves the mesh but keeps the state on its devices (a later `bind` there moves
+  nothing); `prefetch` only starts the copy on the executor it is given."""
 
   @property
   def layout(self) -> sharding.MeshLayout:
@@ -70,6 +71,9 @@ class PoolTrainer(Protocol):
     ...
 
   def release(self, to: OnHost | InStorage = OnHost()) -> Transfer:
+    ...
+
+  def unbind(self) -> None:
     ...
 
   def prefetch(self, mesh: Any, executor: concurrent.futures.Executor) -> None:

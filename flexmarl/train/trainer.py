@@ -105,6 +105,7 @@ class AgentTrainer:
     self._tokens = self._rows = 0
     self._coef = 0.0  # the entropy coefficient this batch's gradient uses
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
+    self._targets: dict[Mesh, OnMesh] = {}
     if isinstance(mesh, Mesh):
       self.bind(mesh)
 
@@ -161,10 +162,15 @@ class AgentTrainer:
     return self._steps.shardings(mesh)['params']
 
   def _target(self, mesh: Mesh) -> OnMesh:
-    shardings = self._steps.shardings(mesh)
-    if self.base is not None:  # the state holds adapters only
-      shardings = dict(shardings, params=self._partition(shardings['params'])[0])
-    return OnMesh(mesh, shardings)
+    """The state's place on `mesh`, built once per mesh: a swap compares and copies to
+    the same objects each time (building ~100 shardings per swap costs as much as a small
+    state's copy)."""
+    if mesh not in self._targets:
+      shardings = self._steps.shardings(mesh)
+      if self.base is not None:  # the state holds adapters only
+        shardings = dict(shardings, params=self._partition(shardings['params'])[0])
+      self._targets[mesh] = OnMesh(mesh, shardings)
+    return self._targets[mesh]
 
   def prefetch(self, mesh: Mesh, executor: concurrent.futures.Executor) -> None:
     """Start moving the state onto `mesh` on `executor`; the next `bind(mesh)` takes it."""
@@ -194,6 +200,11 @@ class AgentTrainer:
     self.state, transfer = state_lib.move(self.state, to)
     self.mesh = None
     return transfer
+
+  def unbind(self) -> None:
+    """Leave the mesh, the state staying on its devices: another agent trains there
+    meanwhile, and a `bind` back onto it moves nothing."""
+    self.mesh = None
 
   # -- training -------------------------------------------------------------------------
 
