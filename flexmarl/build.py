@@ -244,7 +244,7 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
                    for i, m in enumerate(meshes)],
         spec.training.host_budget_bytes,
         spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder,
-        clock=recorder.clock)
+        clock=recorder.clock, states_per_mesh=spec.training.states_per_mesh)
 
   def retarget(name: str, a: AgentSpec) -> Retarget | None:
     # An embedded sampler is made anew: cheap, its compiled loop is shared.

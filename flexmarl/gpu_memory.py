@@ -128,7 +128,9 @@ def check_fits(shares: Shares, device_bytes: int, jax_needs: Mapping[int, Mappin
           f'GPU {device}: JAX gets {shares.jax:.4g} of it ({gb(have)}) but what the placement '
           f'puts there needs at least {gb(need)} ({what}). Fix: raise {JAX_FRACTION}'
           f'{f" and lower {VLLM_FIELD}" if shares.engines else ""}, use smaller models or '
-          'more devices.')
+          'more devices' + ('; a training pool mesh holds two states at once unless '
+                            'config.training.states_per_mesh=1 (its swaps then wait)'
+                            if any(n.startswith('pool') for n in parts) else '') + '.')
   have = shares.vllm * device_bytes
   for engine, need in engine_needs.items():
     if need > have:
@@ -155,9 +157,12 @@ def needs(spec: TeamSpec) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
   for name, m in p.train.items():
     if m.devices:
       put(m.devices, f'{name} state', state[name])
-  for i, m in enumerate(p.pool):  # one agent's state at a time: the largest of its shape
-    largest = max((n for n, t in p.train.items() if t.shape == m.shape), key=state.get)
-    put(m.devices, f'pool{i} ({largest} state)', state[largest])
+  held_at_once = spec.training.states_per_mesh
+  for i, m in enumerate(p.pool):  # the largest states of its shape it holds at once
+    largest = sorted((n for n, t in p.train.items() if t.shape == m.shape),
+                     key=lambda n: (-state[n], n))[:held_at_once]
+    put(m.devices, f"pool{i} ({' + '.join(largest)} state{'s' * (len(largest) > 1)})",
+        sum(state[n] for n in largest))
   engines = {}
   if spec.rollout.backend == 'vllm':
     e = engine_config(**spec.rollout.vllm)

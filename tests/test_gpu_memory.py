@@ -2,6 +2,8 @@
 and clear errors naming both numbers when they cannot add up or cannot hold what the
 placement puts in them. (Pure functions: no GPU needed.)"""
 
+import dataclasses
+
 import pytest
 
 from experiments import hierarchical_assistant
@@ -86,8 +88,18 @@ def test_needs_follow_the_placement():
   pooled = _spec(1)  # fitted: a pool of one mesh; samplers keep their own weights there
   held, _ = gm.needs(pooled)
   weights = {n: param_count(a.model) * 4 for n, a in pooled.agents.items()}
-  assert held[0] == {f'pool0 ({max(state, key=state.get)} state)': max(state.values()),
+  two = sorted(state, key=lambda n: (-state[n], n))[:2]  # the mesh holds two at once
+  assert held[0] == {f'pool0 ({two[0]} + {two[1]} states)': state[two[0]] + state[two[1]],
                      **{f'{n}/0 weights': weights[n] for n in weights}}
+  one = dataclasses.replace(pooled, training=dataclasses.replace(pooled.training,
+                                                                 states_per_mesh=1))
+  held, _ = gm.needs(one)
+  assert held[0][f'pool0 ({two[0]} state)'] == state[two[0]]
+  shares = gm.plan(0, {})
+  need = sum(held[0].values()) + state[two[1]]  # with two states on the pool mesh
+  with pytest.raises(ConfigError, match=r'training\.states_per_mesh=1'):
+    gm.check_fits(shares, int(need / shares.jax) - 1, *gm.needs(pooled))
+  gm.check_fits(shares, int(need / shares.jax) - 1, *gm.needs(one))
   vllm = _spec(1, backend='vllm', vllm={'max_model_len': 64})
   held, engines = gm.needs(vllm)
   m = vllm.agents['router'].model

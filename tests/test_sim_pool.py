@@ -287,3 +287,29 @@ def test_expected_agents_are_prefetched_and_stay_on_the_mesh_they_come_back_to()
   assert (a['swaps'], a['swap_wait_s']) == (2, 0.0)  # one bind (prefetched), one copy out
   assert (b['swaps'], b['swap_wait_s']) == (2, 1.0)
   assert (c['swaps'], c['swap_wait_s']) == (1, 3.0)
+
+
+def test_one_state_per_mesh_waits_for_the_copy_out_and_prefetches_onto_empty_meshes_only():
+  # As above with `states_per_mesh=1`: the mesh never holds two states.
+  # expect, at 0: a's state is prefetched onto the empty mesh [0, 1].
+  # At 2, a binds (its copy is there) and works [2, 3]; nothing else is prefetched.
+  # b takes the mesh: a, though expected, is copied out after its work [3, 4] and b's
+  #   bind waits for that copy, then for its own [4, 5] (clock 5); b works [5, 6].
+  # a comes back: b's copy out [6, 7], a's copy in [7, 8] (clock 8); a works [8, 9].
+  clock = SimClock()
+  trainers, meshes, sim = _pool(clock, 1)
+  engine = TrainingEngine(trainers, meshes, clock=clock, states_per_mesh=1,
+                          make_mesh=lambda mesh, layout: sim[mesh.name], make_executor=inline)
+  for n in AGENTS:
+    engine.expect(n)
+  clock.advance_to(2.0)
+  ends = []
+  for name, urgent in (('a', False), ('b', True), ('a', True)):
+    engine.submit(name, lambda name=name: ends.append(trainers[name].group.run('work', 1.0)))
+    engine.run((name,) if urgent else ())
+    if name == 'a' and not urgent:
+      assert sim['pool0'].host.group.busy_until == 1.0  # b was not prefetched
+  assert ends == [3.0, 6.0, 9.0]
+  assert clock.now() == 8.0
+  assert isinstance(trainers['b'].state.location, OnHost)
+  assert engine.step_stats('a')['swaps'] == 3  # in, out, in: never left on the mesh

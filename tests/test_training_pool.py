@@ -62,6 +62,7 @@ def runs(tmp_path_factory):
   shared.training.host_budget_gb = _state_gb(shared) * 1.5  # one state on host at a time
   pipelined = shared.copy_and_resolve_references()
   pipelined.schedule = 'flexmarl'
+  pipelined.training.states_per_mesh = 1  # every swap waits for the one before
   for key, config in (('own', own), ('pool', shared), ('pool_flexmarl', pipelined)):
     workdir = str(tmp_path_factory.mktemp(key))
     train(config, workdir, log=lambda *_: None)
@@ -128,6 +129,10 @@ def test_bad_pool_configs_name_the_field_and_the_fix():
     _spec(c)
   c = _config(pool_devices=4, host_budget_gb=1e-6)
   with pytest.raises(ConfigError, match=r'training\.host_budget_gb=1e-06: agent .* at least'):
+    _spec(c)
+  c = _config(pool_devices=4)
+  c.training.states_per_mesh = 3
+  with pytest.raises(ConfigError, match=r'training\.states_per_mesh=3.*one of \[1, 2\]'):
     _spec(c)
   c = _config(pool_devices=16)
   with pytest.raises(ConfigError, match=r'training\.pool_devices: no 16 free devices'):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import os
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -57,24 +58,25 @@ class TrainingEngine:
   def __init__(self, trainers: Mapping[str, PoolTrainer], meshes: Sequence[PoolMesh],
                host_budget: int = 0, storage_dir: str = '', recorder=None, *,
                clock: Clock, make_mesh: MakeMesh = jax_mesh,
-               make_executor: MakeExecutor = copy_thread):
+               make_executor: MakeExecutor = copy_thread, states_per_mesh: int = 2):
     """`meshes`: PoolMesh (or plain (name, devices, shape)) tuples. `host_budget`:
     bytes of host memory for released states (0: unlimited); beyond it states go to
     `storage_dir/AGENT`. `clock`: the run's, which times the swaps. `make_executor`:
-    the copy executor of each mesh and of storage (`inline` for simulated trainers)."""
+    the copy executor of each mesh and of storage (`inline` for simulated trainers).
+    `states_per_mesh`: 2, or 1 where a mesh's memory holds one state (no state then
+    comes onto a mesh before its resident's has left)."""
     self.trainers = dict(trainers)
     self.meshes = {m.name: m for m in (PoolMesh(name, tuple(devices), tuple(shape))
                                        for name, devices, shape in meshes)}
     self.host_budget, self.storage_dir, self.recorder = host_budget, storage_dir, recorder
-    self.clock = clock
+    self.clock, self.states_per_mesh = clock, states_per_mesh
     self._make_mesh = make_mesh
     self.bound: dict[str, str | None] = {m: None for m in self.meshes}  # mesh -> agent
     self.where: dict[str, str | None] = {a: None for a in self.trainers}  # agent -> mesh
     self.queues = {a: collections.deque() for a in self.trainers}
     self.since = {a: 0 for a in self.trainers}
     self.last_used = {a: 0 for a in self.trainers}
-    # The last RECENT_SWAPS swaps: agent, mesh, direction, bytes, seconds (every swap is
-    # a span in the trace; step_stats sums them per agent).
+    # The last RECENT_SWAPS swaps (agent, mesh, direction, bytes, seconds).
     self.log: collections.deque[dict] = collections.deque(maxlen=RECENT_SWAPS)
     self._stats = {a: self._empty() for a in self.trainers}
     # agent -> the mesh its state is moving onto, or was left on (`_leave`), while it
@@ -84,7 +86,7 @@ class TrainingEngine:
     # agent -> the mesh it was released from, while its state is in that mesh's host
     # memory: a copy back onto the same devices is one compiled copy (train.state).
     self._near: dict[str, str] = {}
-    self._tick = 0
+    self._ticks = itertools.count(1)  # orders waits and uses
     self._mesh_cache: dict[tuple[str, sharding.MeshLayout], Any] = {}
     self._lock = threading.RLock()
     self._stats_lock = threading.Lock()  # stats and log: copy threads record swaps too
@@ -96,10 +98,6 @@ class TrainingEngine:
   @staticmethod
   def _empty() -> dict:
     return dict(meshes=[], swaps=0, swap_bytes=0, swap_s=0.0, swap_wait_s=0.0)
-
-  def _next_tick(self) -> int:
-    self._tick += 1
-    return self._tick
 
   def mesh(self, name: str, layout: sharding.MeshLayout) -> Any:
     """Pool mesh `name` as a trainer of `layout` binds to it (built once)."""
@@ -114,14 +112,12 @@ class TrainingEngine:
     """Queue `work` (it calls the agent's trainer) to run once the agent is bound."""
     with self._lock:
       if not self.queues[agent]:
-        self.since[agent] = self._next_tick()
+        self.since[agent] = next(self._ticks)
       self.queues[agent].append(work)
 
   def expect(self, agent: str) -> None:
-    """`agent` will bring work before long (a step's rollout has begun); it stays
-    expected until its urgent work runs. While its mesh-to-be is busy with another
-    agent, or idle, its state starts moving there, so that its bind finds it in place
-    (one prefetch per mesh at a time, as for waiting agents)."""
+    """`agent` will bring work before long (a step's rollout has begun), until its
+    urgent work runs: its state starts moving to the mesh it will get meanwhile."""
     with self._lock:
       self._expected.add(agent)
       self._reap()
@@ -174,9 +170,8 @@ class TrainingEngine:
                      {a: m for a, m in bindings.items()})
 
   def _prefetch_expected(self) -> None:
-    """Start moving expected agents that are neither bound nor on their way onto meshes
-    no other prefetch targets (the one near each state first; `allocate` decides), the
-    least recently served first."""
+    """Start moving expected agents, neither bound nor on their way, onto meshes no other
+    prefetch targets (`allocate` decides: the one near each state first)."""
     agents = [a for a in self._expected if self.where[a] is None and a not in self._prefetched]
     if not agents:
       return
@@ -193,7 +188,7 @@ class TrainingEngine:
     queue = self.queues[agent]
     while queue:
       queue.popleft()()
-    self.last_used[agent] = self._next_tick()
+    self.last_used[agent] = next(self._ticks)
     with self._stats_lock:
       meshes = self._stats[agent]['meshes']
       if not meshes or meshes[-1] != self.where[agent]:
@@ -209,6 +204,8 @@ class TrainingEngine:
     self._settle(agent)
     if resident is not None:
       self._leave(resident, mesh)
+      if self.states_per_mesh == 1:
+        self._settle(resident)  # its copy out first: the mesh holds one state
     trainer = self.trainers[agent]
     start = self.clock.now()
     transfer = trainer.bind(self.mesh(mesh, trainer.layout))
@@ -217,11 +214,10 @@ class TrainingEngine:
     self.bound[mesh], self.where[agent] = agent, mesh
 
   def _leave(self, agent: str, mesh: str) -> None:
-    """Free the mesh of `agent` for another one. An expected agent's state stays on the
-    mesh (it trains there again soon: copying it out and back would cost two swaps)
-    unless another state is already on its way there; the mesh then holds two states,
-    as during a prefetch."""
-    if agent in self._expected and mesh not in self._prefetched.values():
+    """Free the mesh of `agent`. An expected agent's state stays there (copied out and
+    back, it would cost two swaps) unless another state is on its way there."""
+    if (self.states_per_mesh > 1 and agent in self._expected
+        and mesh not in self._prefetched.values()):
       self.trainers[agent].unbind()
       self.bound[mesh], self.where[agent] = None, None
       self._prefetched[agent] = mesh
@@ -288,6 +284,8 @@ class TrainingEngine:
     another prefetch targets already. An agent whose state is still on its way out is
     left for a later `run`."""
     taken = set(self._prefetched.values())
+    if self.states_per_mesh == 1:  # only onto a mesh that holds no state
+      taken |= {m for m, a in self.bound.items() if a is not None}
     meshes = [m for m in targets.values() if m not in taken]
     for w in unserved:
       if w.agent in self._moving:

@@ -119,12 +119,17 @@ class TrainingSpec:
   - host_budget_gb: host memory for swapped-out states; the least recently used go to
     storage beyond it (0: unlimited).
   - storage_dir: where states swapped to storage go ('': WORKDIR/swap).
+  - states_per_mesh: agents' states a pool mesh holds at once. 2: the next agent's
+    state comes in while the resident computes, and an agent that will train again
+    this step keeps its state on a mesh it leaves, so swaps hide behind compute. 1,
+    where a mesh's memory holds one state only: every swap waits for the one before.
   """
 
   pool_devices: int = 0
   mesh_shapes: tuple[tuple[int, ...], ...] = ()
   host_budget_gb: float = 0.0
   storage_dir: str = ''
+  states_per_mesh: int = 2
 
   @property
   def host_budget_bytes(self) -> int:
@@ -139,6 +144,7 @@ class TrainingSpec:
     whole_number(f'{field}.pool_devices', t.pool_devices, 0, '0: every agent on its own mesh')
     in_range(f'{field}.host_budget_gb', t.host_budget_gb, 0.0, math.inf,
              'must be >= 0 (0: unlimited).')
+    one_of(f'{field}.states_per_mesh', t.states_per_mesh, (1, 2))
     if not t.pool_devices and (t.mesh_shapes or t.host_budget_gb):
       fail(f'{field}.pool_devices', t.pool_devices, 'mesh_shapes and host_budget_gb need a '
            'training pool: give it devices, or leave them unset.')
