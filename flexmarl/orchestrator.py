@@ -244,11 +244,13 @@ class JointOrchestrator:
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
       line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
-    self.journal.write(self.step + 1)
     lines[TEAM] = team_line(lines, step_s=step_s, rollout_s=result.rollout_s,
                             queries=result.queries, tokens=result.tokens,
                             rebalances=self._log_rebalances(),
                             utilization=self._utilization())
+    # After the spans' drain: the store's thread would hold the interpreter's lock
+    # while the drain waits for the timeline's thread.
+    self.journal.write(self.step + 1)
     self.step += 1
     return lines
 

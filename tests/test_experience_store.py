@@ -164,6 +164,13 @@ def test_bad_input_raises_before_writing(tmp_path):
        r"sample_id='bad-id'.*query_id"),
       (lambda: store.append(_AGENT, [Row('q0_0_3', -1, [1], [1], [-1.0])]), 'policy_version=-1'),
       (lambda: store.append(_AGENT, [Row('q0_0_4', 0, [1], [1], [np.nan])]), 'non-finite'),
+      # The value checks run over the whole batch; the error still names the row.
+      (lambda: store.append(_AGENT, [good, Row('q0_0_6', 0, [1], [1, 2], [-1.0, np.inf])]),
+       r"rows\[1\] \('q0_0_6'\)\.logprobs has a non-finite value \(inf\)"),
+      (lambda: store.append(_AGENT, [good, Row('q0_0_7', 0, [1, 2**31], [1], [-1.0])]),
+       r"rows\[1\] \('q0_0_7'\)\.prompt_ids has a token id out of range.*max 2147483648"),
+      (lambda: store.append(_AGENT, [good, Row('q0_0_8', 0, [1], [-3], [-1.0])]),
+       r"rows\[1\] \('q0_0_8'\)\.response_ids has a token id out of range.*min -3"),
       (lambda: store.append(_AGENT, [Row('q0_0_5', 0, [1], [1], [-1.0], reward=np.inf)]),
        'reward=inf'),
       (lambda: store.set_field(_AGENT, ['q0_0_0'], 'rewrd', [1.0]),

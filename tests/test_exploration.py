@@ -23,6 +23,10 @@ def test_each_row_gets_the_bonus_share_of_its_groups_error():
             np.array([nan, nan])]
   weights = grpo.entropy_weights(GRPOConfig(), groups)
   np.testing.assert_array_equal(weights, [0, 0, 0, 0, 1, 1, 1, 1, .5, .5, .5, .5, 1, 1])
+  # Rows the workflow did not judge count in neither the right nor the wrong share.
+  np.testing.assert_allclose(grpo.entropy_weights(GRPOConfig(), [np.array([1.0, nan, 0, 0])]),
+                             [2 / 3] * 4, rtol=1e-6)
+  assert grpo.entropy_weights(GRPOConfig(), []).shape == (0,)
   # Off: every row the whole bonus.
   np.testing.assert_array_equal(
       grpo.entropy_weights(GRPOConfig(entropy_by_error=False), groups), np.ones(14))

@@ -86,9 +86,15 @@ class Instance:
     return sum(r.cost for r in (*self.queue, *self.running) if r.agent == agent)
 
   @property
-  def shared(self) -> bool:
-    """Does it serve several agents' adapters?"""
-    return isinstance(self.sampler, AdapterSampler)
+  def sampler(self) -> Sampler | AdapterSampler:
+    return self._sampler
+
+  @sampler.setter
+  def sampler(self, sampler: Sampler | AdapterSampler) -> None:
+    self._sampler = sampler
+    # Does it serve several agents' adapters? Set once: a check against the protocol
+    # costs ≈25 µs, and the rollout loop asks many times a step.
+    self.shared = isinstance(sampler, AdapterSampler)
 
   def version_of(self, agent: str) -> int:
     """The version `agent`'s next rows here are sampled with."""

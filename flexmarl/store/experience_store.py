@@ -132,7 +132,7 @@ class ExperienceStore:
     """
     with self._lock:
       table = self._table(agent)
-      prepared = [prepare(row, i) for i, row in enumerate(rows)]
+      prepared = prepare(rows)
       refresh_table(table)
       new = self._drop_resent(table, prepared)
       if not new:

@@ -62,14 +62,42 @@ def id_list(sample_ids: Sequence[str]) -> list[str]:
   return list(sample_ids)
 
 
-def prepare(row: Row, position: int) -> Prepared:
-  """Validates one Row (raising with the field, the value and the fix) and converts it."""
+def prepare(rows: Sequence[Row]) -> list[Prepared]:
+  """Validates `rows` (raising with the field, the value and the fix) and converts them.
+
+  The value checks (token ids in range, finite logprobs) run once over the whole batch,
+  not once per row: an append of a step's rows runs beside the step's own work."""
+  checked = [_check_row(row, i) for i, row in enumerate(rows)]
+  ids = [a for c in checked for a in c[2:4]]
+  if ids and _out_of_range(np.concatenate(ids)):
+    for i, c in enumerate(checked):  # find the row to name
+      for field, array in (('prompt_ids', c[2]), ('response_ids', c[3])):
+        if _out_of_range(array):
+          raise ValueError(f'{_where(rows[i], i)}.{field} has a token id out of range [0, 2**31) '
+                           f'(min {array.min()}, max {array.max()}); pass vocabulary ids')
+  if checked and not np.isfinite(np.concatenate([c[4] for c in checked])).all():
+    i, lp = next((i, c[4]) for i, c in enumerate(checked) if not np.isfinite(c[4]).all())
+    raise ValueError(f'{_where(rows[i], i)}.logprobs has a non-finite value '
+                     f'({lp[~np.isfinite(lp)][0]}); a sampled token has a finite '
+                     'logprob: check the sampler')
+  return [Prepared(sid, sid.encode(), version, prompt.astype(np.int32),
+                   response.astype(np.int32), logprobs, **scalars)
+          for sid, version, prompt, response, logprobs, scalars in checked]
+
+
+def _where(row: Row, position: int) -> str:
+  return f'rows[{position}] ({row.sample_id!r})'
+
+
+def _check_row(row: Row, position: int) -> tuple:
+  """One row's ids, types and shapes checked: (sample_id, version, prompt ids, response
+  ids, logprobs, {reward, advantage}); `prepare` checks the values."""
   sid = row.sample_id
   try:
     parse_sample_id(sid)
   except ValueError as e:
     raise ValueError(f'rows[{position}].{e}') from None
-  where = f'rows[{position}] ({sid!r})'
+  where = _where(row, position)
   version = row.policy_version
   if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
     raise ValueError(f'{where}.policy_version={version!r}: pass the sampling policy version as '
@@ -80,10 +108,6 @@ def prepare(row: Row, position: int) -> Prepared:
   if logprobs.ndim != 1 or len(logprobs) != len(response):
     raise ValueError(f'{where}.logprobs has shape {logprobs.shape} but response_ids has '
                      f'{len(response)} tokens; pass one behaviour logprob per response token')
-  if not np.isfinite(logprobs).all():
-    raise ValueError(f'{where}.logprobs has a non-finite value '
-                     f'({logprobs[~np.isfinite(logprobs)][0]}); a sampled token has a finite '
-                     'logprob: check the sampler')
   scalars = {}
   for field in SETTABLE_FIELDS:
     value = getattr(row, field)
@@ -93,20 +117,22 @@ def prepare(row: Row, position: int) -> Prepared:
                          'known yet (set_field fills it in later)')
       value = float(np.float32(value))
     scalars[field] = value
-  return Prepared(sid, sid.encode(), int(version), prompt, response, logprobs, **scalars)
+  return sid, int(version), prompt, response, logprobs, scalars
 
 
 def _token_ids(values: Any, where: str) -> np.ndarray:
+  """`values` as a 1-D integer array (its range is checked by `prepare`)."""
   array = np.asarray(values)
   if array.size == 0:
     return np.zeros(0, np.int32)
   if array.ndim != 1 or array.dtype.kind not in 'iu':
     raise ValueError(f'{where} has dtype {array.dtype} and shape {array.shape}: pass a 1-D '
                      'sequence of integer token ids')
-  if array.min() < 0 or array.max() > _MAX_TOKEN_ID:
-    raise ValueError(f'{where} has a token id out of range [0, 2**31) '
-                     f'(min {array.min()}, max {array.max()}); pass vocabulary ids')
-  return array.astype(np.int32)
+  return array
+
+
+def _out_of_range(ids: np.ndarray) -> bool:
+  return bool(ids.size) and (ids.min() < 0 or ids.max() > _MAX_TOKEN_ID)
 
 
 def first_difference(p: Prepared, stored: StoredRow) -> str | None:

@@ -28,13 +28,13 @@ def write_tail(table: Table, new: list[Prepared]) -> Commit:
   data['logprobs'] = np.concatenate([p.logprobs for p in new])
   index[:, IX['policy_version']] = [p.policy_version for p in new]
   status = np.zeros((len(new), len(STATUS_COL)), np.uint32)
-  for i, p in enumerate(new):
-    status[i, 0] = BIT['tokens'] | BIT['logprobs']
-    for field in SETTABLE_FIELDS:
-      value = getattr(p, field)
-      if value is not None:
-        status[i, 0] |= BIT[field]
-        status[i, STATUS_COL[field]] = np.float32(value).view(np.uint32)
+  status[:, 0] = BIT['tokens'] | BIT['logprobs']
+  for field in SETTABLE_FIELDS:
+    values = [getattr(p, field) for p in new]
+    known = np.array([v is not None for v in values])
+    status[known, 0] |= BIT[field]
+    status[known, STATUS_COL[field]] = np.array(
+        [v for v in values if v is not None], np.float32).view(np.uint32)
   commit = Commit(rows=old.rows + len(new),
                   sample_ids=old.sample_ids + len(data['sample_ids']),
                   prompt_ids=old.prompt_ids + len(data['prompt_ids']),

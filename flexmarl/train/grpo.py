@@ -85,12 +85,17 @@ def entropy_weights(cfg: GRPOConfig, correct: Sequence[np.ndarray]) -> np.ndarra
   bonus fades as an agent learns, prompt by prompt: a schedule that follows the
   agent's progress, not the run's length.
   """
-  rows = [np.asarray(c, np.float64) for c in correct]
+  rows = [np.asarray(c, np.float64).ravel() for c in correct]
+  sizes = np.array([r.size for r in rows], np.int64)
   if not cfg.entropy_by_error:
-    return np.ones(sum(r.size for r in rows), np.float32)
-  out = [np.full(r.size, 1.0 if np.all(np.isnan(r)) else 1.0 - np.nanmean(r), np.float32)
-         for r in rows]
-  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+    return np.ones(sizes.sum(), np.float32)
+  flat = np.concatenate(rows) if rows else np.zeros((0,), np.float64)
+  group = np.repeat(np.arange(len(rows)), sizes)
+  known = ~np.isnan(flat)
+  counted = np.bincount(group, weights=known, minlength=len(rows))
+  right = np.bincount(group, weights=np.where(known, flat, 0.0), minlength=len(rows))
+  wrong = np.where(counted > 0, 1.0 - right / np.maximum(counted, 1), 1.0)
+  return np.repeat(wrong, sizes).astype(np.float32)
 
 
 def stuck(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
