@@ -34,6 +34,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.placement = 'fit'  # on too few devices, fit the team to them; 'strict': refuse
   config.trace_steps = 1000  # trace.json keeps the last 1000-1500 steps' spans (0: all)
   config.store_keep_steps = 0  # store retention: rows of the last N steps (0: every row)
+  config.compile_cache_dir = '~/.cache/flexmarl/xla'  # compiled steps kept between runs ('': none)
 
   config.workflow = dict(
       name='hierarchical_assistant',

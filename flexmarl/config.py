@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from flexmarl import compile_cache
 from flexmarl import placement as placement_lib
 from flexmarl import placement_fit
 from flexmarl.agent_spec import AgentSpec, agent_config
@@ -58,6 +59,8 @@ class TeamSpec:
   # store_keep_steps (but those a kept checkpoint carries); 0 keeps every row.
   store_keep_steps: int = 0
   cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
+  # Compiled steps kept on disk between runs ('' keeps none; see flexmarl.compile_cache).
+  compile_cache_dir: str = compile_cache.DEFAULT_DIR
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
@@ -254,6 +257,10 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
     fail('store_keep_steps', keep, f'give 0 (keep every row) or at least checkpoint_every='
          f'{config.checkpoint_every}: a resume from the previous checkpoint serves the rows '
          'of up to checkpoint_every steps again and finds them in the store.')
+  cache_dir = config.get('compile_cache_dir', compile_cache.DEFAULT_DIR)
+  if not isinstance(cache_dir, str):
+    fail('compile_cache_dir', cache_dir, "give a folder for compiled steps (default "
+         f"{compile_cache.DEFAULT_DIR!r}), or '' to compile every run afresh.")
   cluster = ClusterSpec.from_config(config.get('cluster'))
   if cluster.backend == 'ray' and placement.pool:
     fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
@@ -269,7 +276,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every,
                   training=training, trace_steps=trace_steps, store_keep_steps=keep,
-                  cluster=cluster)
+                  cluster=cluster, compile_cache_dir=cache_dir)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,

@@ -45,7 +45,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
 
   import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
 
-  from flexmarl import gpu_memory
+  from flexmarl import compile_cache, gpu_memory
   from flexmarl import workdir as workdirs
   from flexmarl.config import (build_team_spec, check_prompt_lengths, tokenizer_paths,
                                vllm_demand)
@@ -75,6 +75,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   try:
     device_ids = [d.id for d in devices] if cluster is None else list(range(cluster.devices))
     spec = build_team_spec(config, vocab, device_ids, workflow.agent_names())
+    compile_cache.use(spec.compile_cache_dir)  # before the first step compiles
     if cluster is None and devices[0].platform == 'gpu':
       log(shares.describe())
       shares.check()

@@ -25,7 +25,7 @@ from typing import Any
 CONFIG_FILE, RUN_FILE = 'config.json', 'run.json'
 # Fields a resumed run may change (patterns over dotted field names); any other
 # difference is refused.
-HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'store_keep_steps',
+HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'store_keep_steps', 'compile_cache_dir',
             'agents.*.optimizer.decay_steps', 'agents.*.grpo.entropy_decay_steps',
             'agents.*.grpo.skip_without_signal', 'agents.*.grpo.unstick_below',
             'agents.*.grpo.unstick_after',

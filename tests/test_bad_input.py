@@ -95,6 +95,8 @@ CONFIG_CASES = {
                               ["['idle']", 'agent_names()', 'never train']),
     'negative_checkpoint_every': (_set('checkpoint_every', -5), ['checkpoint_every']),
     'negative_trace_steps': (_set('trace_steps', -1), ['trace_steps', '0 keeps every step']),
+    'compile_cache_dir_not_a_folder': (_set('compile_cache_dir', 3),
+                                       ['compile_cache_dir=3', "or '' to compile"]),
     'negative_store_keep_steps': (_set('store_keep_steps', -1),
                                   ['store_keep_steps', '0 keeps every row']),
     'store_keep_steps_below_checkpoint_every': (

@@ -18,7 +18,9 @@ then slows every schedule alike. A run's rollout begun ahead of its next step
 of each turn is not timed. A step's time is the wall time from the end of the one before
 to its own end (what a run takes per step, whatever the schedule overlaps), with the
 process's CPU time over it (all threads: JAX's, the rollout's, the store's), which says
-how many of the machine's cores the schedule keeps busy. Per schedule: the median step
+how many of the machine's cores the schedule keeps busy, and the CPU time of the thread that
+runs the step (the orchestrator's: the rollout loop, the workflows, batch layout and
+dispatch), which no schedule can overlap with itself. Per schedule: the median step
 time (the issue's measure), its rollout and what follows it, cores busy, and the ratio to
 the first schedule in every round.
 
@@ -64,7 +66,8 @@ def compare(concurrency: int, devices: str) -> dict:
   from flexmarl.run import build
 
   schedules = _SCHEDULES.value
-  steps = {s: [] for s in schedules}  # (round, step_s, rollout_s, train_s, cpu_s)
+  # (round, step_s, rollout_s, train_s, cpu_s, main_cpu_s)
+  steps = {s: [] for s in schedules}
   with tempfile.TemporaryDirectory() as workdir:
     runs = {}
     for s in schedules:
@@ -78,12 +81,13 @@ def compare(concurrency: int, devices: str) -> dict:
       for s in schedules[r % len(schedules):] + schedules[:r % len(schedules)]:
         orch = runs[s]
         orch.run_step()  # its rollout starts afresh: not timed
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(min(_BLOCK.value, _STEPS.value - r * _BLOCK.value)):
           team = orch.run_step()['team']
-          last_wall, last_cpu, wall, cpu = wall, cpu, time.perf_counter(), time.process_time()
-          steps[s].append((r, wall - last_wall, team['rollout_s'], team['train_s'],
-                           cpu - last_cpu))
+          last = wall, cpu, main
+          wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
+          steps[s].append((r, wall - last[0], team['rollout_s'], team['train_s'],
+                           cpu - last[1], main - last[2]))
         orch.serve_from(orch.next_query)
       print(f'round {r + 1}/{rounds} done', flush=True)
     for orch in runs.values():
@@ -97,6 +101,7 @@ def compare(concurrency: int, devices: str) -> dict:
     results[s] = dict(step_s=step_s, rollout_s=statistics.median(x[2] for x in steps[s]),
                       after_rollout_s=statistics.median(x[3] for x in steps[s]),
                       cores_busy=sum(x[4] for x in steps[s]) / sum(x[1] for x in steps[s]),
+                      main_thread_busy=sum(x[5] for x in steps[s]) / sum(x[1] for x in steps[s]),
                       speedup=results.get(base, {}).get('step_s', step_s) / step_s,
                       speedup_per_round=per_round)
   return results
@@ -114,7 +119,8 @@ def main(argv):
         rounds = ', '.join(f'{x:.2f}' for x in r['speedup_per_round'])
         print(f"{setting} {s:>14}: median {r['step_s'] * 1e3:.0f} ms/step (rollout "
               f"{r['rollout_s'] * 1e3:.0f} ms, then training {r['after_rollout_s'] * 1e3:.0f}"
-              f" ms), {r['cores_busy']:.2f} of {os.cpu_count()} cores busy, {r['speedup']:.2f}x "
+              f" ms), {r['cores_busy']:.2f} of {os.cpu_count()} cores busy (the main thread "
+              f"{r['main_thread_busy']:.0%} of the time), {r['speedup']:.2f}x "
               f"{_SCHEDULES.value[0]} (per round: {rounds})",
               flush=True)
   print(json.dumps(results))

@@ -7,8 +7,12 @@ Writes `rows` rows to one agent table in appends of `batch` rows: response lengt
 32k vocabulary, logprobs log(U(0.05, 1)) as float32 (random data: real token streams and
 logprobs compress better). Then reads every row back (a fresh store object, so nothing is
 cached) and checks a sample of rows. Reports rows/s and tokens/s (prompt + response) written
-and read, and bytes per token on disk (the table folder's size / all tokens). The last line is
-JSON.
+and read, the wall and CPU time of one append (a run's appends share the cores with its
+step), and bytes per token on disk (the table folder's size / all tokens). The last line is
+JSON. A GRPO step's append (`grpo_step.py`: 128 rows of at most 8 tokens):
+
+  python experiments/benchmarks/store.py --rows=12800 --batch=128 --min_response=1 \
+    --max_response=8 --prompt=20
 """
 
 import json
@@ -53,10 +57,10 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     path = _DIR.value or os.path.join(tmp, 'store')
     store = ExperienceStore.open(path, agents=['solver'])
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(0, len(rows), _BATCH.value):
       store.append('solver', rows[i:i + _BATCH.value])
-    write_s = time.perf_counter() - t0
+    write_s, write_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     store.close()
 
     t0 = time.perf_counter()
@@ -69,10 +73,12 @@ def main(argv):
       assert np.array_equal(back[i].response_ids, rows[i].response_ids)
       assert np.array_equal(back[i].logprobs, rows[i].logprobs)
     disk = _du(path)
+  appends = -(-len(rows) // _BATCH.value)
   result = dict(rows=len(rows), tokens=tokens, write_rows_per_s=len(rows) / write_s,
                 write_tokens_per_s=tokens / write_s, read_rows_per_s=len(rows) / read_s,
                 read_tokens_per_s=tokens / read_s, bytes_per_token=disk / tokens,
-                write_s=write_s, read_s=read_s)
+                write_s=write_s, read_s=read_s,
+                append_ms=write_s / appends * 1e3, append_cpu_ms=write_cpu_s / appends * 1e3)
   print(f"wrote {len(rows)} rows ({tokens / 1e6:.1f}M tokens) in {write_s:.2f}s: "
         f"{result['write_rows_per_s']:.0f} rows/s, "
         f"{result['write_tokens_per_s'] / 1e6:.2f}M tok/s; "

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl import compile_cache
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Weights
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
@@ -50,6 +51,7 @@ class RolloutWorker:
     from flexmarl.build import vllm_sampler_on
     from flexmarl.models import hf, sharding
     from flexmarl.rollout.sampler import EmbeddedSampler
+    compile_cache.use(spec.compile_cache_dir)
     self.devices = devices
     a = spec.agents[agent]
     if spec.rollout.backend == 'vllm':
@@ -90,6 +92,7 @@ class TrainerJob:
   seed: int
   banned_ids: tuple[int, ...]
   workdir: str
+  compile_cache_dir: str = ''
 
 
 class TrainerRank:
@@ -116,6 +119,7 @@ class TrainerRank:
     import jax
     if self.size > 1:
       jax.distributed.initialize(coordinator, self.size, self.rank)
+    compile_cache.use(job.compile_cache_dir)
     from flexmarl.build import agent_trainer
     from flexmarl.models import sharding
     from flexmarl.train.checkpoint import AgentCheckpointer
