@@ -27,6 +27,7 @@ run / standalone (rollout, engine busy time, whole step), the engine's torch thr
 and the load average.
 """
 
+import collections
 import json
 import os
 import statistics
@@ -42,7 +43,7 @@ SHAPES = {  # preset, model overrides, queries per step, samples per query, new 
 }
 _SHAPE = flags.DEFINE_enum('shape', 'small', list(SHAPES), 'Model shape.')
 _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Standalone / in-run rounds, alternated.')
-_WARMUP = flags.DEFINE_integer('warmup', 1, 'Untimed steps first (compiles, engine warm-up).')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps first (compiles, engine warm-up).')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Standalone replays of the step\'s batches.')
 _THREADS = flags.DEFINE_integer('cpu_threads', 0, 'rollout.vllm.cpu_threads (0: the default, '
                                 'all cores).')
@@ -72,29 +73,41 @@ def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:
 
 
 class Recorder:
-  """Wraps a VLLMSampler: keeps the batches submitted and their futures (to replay them
-  and count what they generated) and times the worker thread's work on each (the
-  engine's busy time, whatever waits around it)."""
+  """Wraps a VLLMSampler: keeps the batches submitted, with the version they were served
+  at, and their futures (to replay them and count what they generated), and times the
+  worker thread's work on each (the engine's busy time, whatever waits around it).
+
+  A step starts the next step's rollout before it ends (once its weights are published),
+  so its own batches are those served at the version it began with."""
 
   def __init__(self, sampler):
-    self.sampler, self.batches, self.futures, self.engine_s = sampler, [], [], 0.0
+    self.sampler = sampler
+    self.reset()
+    self._versions = collections.deque()  # of the batches queued, for `generate`
     self._submit, self._generate = sampler.submit, sampler._generate
     sampler.submit, sampler._generate = self.submit, self.generate
 
   def submit(self, *args, **kwargs):
-    self.batches.append((args, kwargs))
-    self.futures.append(self._submit(*args, **kwargs))
-    return self.futures[-1]
+    version = self.sampler.version
+    self._versions.append(version)
+    future = self._submit(*args, **kwargs)
+    self.batches.append((version, args, kwargs))
+    self.futures.append((version, future))
+    return future
 
   def generate(self, *args, **kwargs):
+    version = self._versions.popleft()  # the engine's one worker runs batches in order
     start = time.perf_counter()
     try:
       return self._generate(*args, **kwargs)
     finally:
-      self.engine_s += time.perf_counter() - start
+      self.engine_s[version] += time.perf_counter() - start
 
-  def served_tokens(self) -> int:
-    return sum(int(f.result().lengths.sum()) for f in self.futures)
+  def served_tokens(self, version: int) -> int:
+    return sum(int(f.result().lengths.sum()) for v, f in self.futures if v == version)
+
+  def batches_of(self, version: int) -> list:
+    return [(args, kwargs) for v, args, kwargs in self.batches if v == version]
 
   def serve(self, weights: tuple[dict, int]) -> None:
     """Sync (params, version) into the engine."""
@@ -106,13 +119,15 @@ class Recorder:
     return self.sampler._pool.submit(torch.get_num_threads).result()
 
   def reset(self) -> None:
-    self.batches, self.futures, self.engine_s = [], [], 0.0
+    self.batches, self.futures = [], []
+    self.engine_s: collections.Counter[int] = collections.Counter()
 
   def replay(self, batches) -> tuple[int, float]:
     """Generated tokens and seconds of `batches`, one after the other, as a caller
     outside a run submits them."""
     tokens, start = 0, time.perf_counter()
     for args, kwargs in batches:
+      self._versions.append(None)  # not a run's batch
       tokens += int(self._submit(*args, **kwargs).result().lengths.sum())
     return tokens, time.perf_counter() - start
 
@@ -130,18 +145,22 @@ def main(argv):
     warmup_s = time.perf_counter() - t0
     rounds = []
     for r in range(_ROUNDS.value):
+      # The next step's rollout, begun at the end of the step before, is dropped: each
+      # timed step runs its whole rollout, and the replays below have the engine alone.
+      orch.serve_from(orch.next_query)
       served = (rec.sampler._params, rec.sampler.version)  # what this step's rollout serves
       rec.reset()
       team = orch.run_step()['team']
-      tokens, engine_s = rec.served_tokens(), rec.engine_s
+      tokens, engine_s = rec.served_tokens(served[1]), rec.engine_s[served[1]]
+      batches = rec.batches_of(served[1])
       trained = (rec.sampler._params, rec.sampler.version)
       rec.serve(served)  # the step's weights back: the replay draws the same samples
-      first = rec.replay(rec.batches)
-      alone = [rec.replay(rec.batches) for _ in range(_REPEATS.value)]
+      first = rec.replay(batches)
+      alone = [rec.replay(batches) for _ in range(_REPEATS.value)]
       assert first[0] == tokens == alone[0][0], (first[0], tokens, alone[0][0])
       alone_tok_s = statistics.median(t / s for t, s in alone)
       rec.serve(trained)  # the next step's rollout follows a sync, as every step's does
-      row = dict(batches=len(rec.batches), standalone_tok_s=alone_tok_s,
+      row = dict(batches=len(batches), standalone_tok_s=alone_tok_s,
                  after_sync_tok_s=first[0] / first[1], sync_s=rec.sampler.last_sync_s,
                  tokens=tokens, line_tokens=int(team['tokens']), rollout_s=team['rollout_s'],
                  step_s=team['step_time_s'], engine_s=engine_s,
