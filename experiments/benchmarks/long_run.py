@@ -48,8 +48,16 @@ _ONLY = flags.DEFINE_enum('only', None, EXPERIMENTS, 'Run this experiment in thi
 
 
 def _folder_mb(path: str) -> float:
-  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
-             for f in files) / 2**20
+  """The folder's size; read while the store's thread appends, so a file listed may be
+  gone (TensorStore's temporary `*.__lock` files) by the time it is measured."""
+  total = 0
+  for d, _, files in os.walk(path):
+    for f in files:
+      try:
+        total += os.path.getsize(os.path.join(d, f))
+      except FileNotFoundError:
+        pass
+  return total / 2**20
 
 
 def _rss_mb() -> float:
