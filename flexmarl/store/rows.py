@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -68,30 +68,43 @@ def prepare(rows: Sequence[Row]) -> list[Prepared]:
   The value checks (token ids in range, finite logprobs) run once over the whole batch,
   not once per row: an append of a step's rows runs beside the step's own work."""
   checked = [_check_row(row, i) for i, row in enumerate(rows)]
-  ids = [a for c in checked for a in c[2:4]]
+  ids = [a for c in checked for a in (c.prompt_ids, c.response_ids)]
   if ids and _out_of_range(np.concatenate(ids)):
     for i, c in enumerate(checked):  # find the row to name
-      for field, array in (('prompt_ids', c[2]), ('response_ids', c[3])):
+      for field in ('prompt_ids', 'response_ids'):
+        array = getattr(c, field)
         if _out_of_range(array):
           raise ValueError(f'{_where(rows[i], i)}.{field} has a token id out of range [0, 2**31) '
                            f'(min {array.min()}, max {array.max()}); pass vocabulary ids')
-  if checked and not np.isfinite(np.concatenate([c[4] for c in checked])).all():
-    i, lp = next((i, c[4]) for i, c in enumerate(checked) if not np.isfinite(c[4]).all())
+  if checked and not np.isfinite(np.concatenate([c.logprobs for c in checked])).all():
+    i, lp = next((i, c.logprobs) for i, c in enumerate(checked)
+                 if not np.isfinite(c.logprobs).all())
     raise ValueError(f'{_where(rows[i], i)}.logprobs has a non-finite value '
                      f'({lp[~np.isfinite(lp)][0]}); a sampled token has a finite '
                      'logprob: check the sampler')
-  return [Prepared(sid, sid.encode(), version, prompt.astype(np.int32),
-                   response.astype(np.int32), logprobs, **scalars)
-          for sid, version, prompt, response, logprobs, scalars in checked]
+  return [Prepared(c.sample_id, c.sample_id.encode(), c.policy_version,
+                   c.prompt_ids.astype(np.int32), c.response_ids.astype(np.int32), c.logprobs,
+                   c.reward, c.advantage) for c in checked]
+
+
+class _Checked(NamedTuple):
+  """A row whose id, types and shapes are checked; its token ids still as given."""
+
+  sample_id: str
+  policy_version: int
+  prompt_ids: np.ndarray
+  response_ids: np.ndarray
+  logprobs: np.ndarray
+  reward: float | None
+  advantage: float | None
 
 
 def _where(row: Row, position: int) -> str:
   return f'rows[{position}] ({row.sample_id!r})'
 
 
-def _check_row(row: Row, position: int) -> tuple:
-  """One row's ids, types and shapes checked: (sample_id, version, prompt ids, response
-  ids, logprobs, {reward, advantage}); `prepare` checks the values."""
+def _check_row(row: Row, position: int) -> _Checked:
+  """One row's id, types and shapes checked; `prepare` checks its values."""
   sid = row.sample_id
   try:
     parse_sample_id(sid)
@@ -117,7 +130,7 @@ def _check_row(row: Row, position: int) -> tuple:
                          'known yet (set_field fills it in later)')
       value = float(np.float32(value))
     scalars[field] = value
-  return sid, int(version), prompt, response, logprobs, scalars
+  return _Checked(sid, int(version), prompt, response, logprobs, **scalars)
 
 
 def _token_ids(values: Any, where: str) -> np.ndarray:
