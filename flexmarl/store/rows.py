@@ -42,8 +42,7 @@ class StoredRow(Row):
   consumed: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
+class Prepared(NamedTuple):
   """A validated Row, converted to the stored dtypes."""
 
   sample_id: str
@@ -82,29 +81,17 @@ def prepare(rows: Sequence[Row]) -> list[Prepared]:
     raise ValueError(f'{_where(rows[i], i)}.logprobs has a non-finite value '
                      f'({lp[~np.isfinite(lp)][0]}); a sampled token has a finite '
                      'logprob: check the sampler')
-  return [Prepared(c.sample_id, c.sample_id.encode(), c.policy_version,
-                   c.prompt_ids.astype(np.int32), c.response_ids.astype(np.int32), c.logprobs,
-                   c.reward, c.advantage) for c in checked]
-
-
-class _Checked(NamedTuple):
-  """A row whose id, types and shapes are checked; its token ids still as given."""
-
-  sample_id: str
-  policy_version: int
-  prompt_ids: np.ndarray
-  response_ids: np.ndarray
-  logprobs: np.ndarray
-  reward: float | None
-  advantage: float | None
+  return [c._replace(prompt_ids=c.prompt_ids.astype(np.int32),
+                     response_ids=c.response_ids.astype(np.int32)) for c in checked]
 
 
 def _where(row: Row, position: int) -> str:
   return f'rows[{position}] ({row.sample_id!r})'
 
 
-def _check_row(row: Row, position: int) -> _Checked:
-  """One row's id, types and shapes checked; `prepare` checks its values."""
+def _check_row(row: Row, position: int) -> Prepared:
+  """One row's id, types and shapes checked, its token ids as given; `prepare` checks
+  their values and converts them."""
   sid = row.sample_id
   try:
     parse_sample_id(sid)
@@ -130,7 +117,7 @@ def _check_row(row: Row, position: int) -> _Checked:
                          'known yet (set_field fills it in later)')
       value = float(np.float32(value))
     scalars[field] = value
-  return _Checked(sid, int(version), prompt, response, logprobs, **scalars)
+  return Prepared(sid, sid.encode(), int(version), prompt, response, logprobs, **scalars)
 
 
 def _token_ids(values: Any, where: str) -> np.ndarray:
