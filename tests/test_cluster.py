@@ -16,7 +16,7 @@ import pytest
 
 from flexmarl import placement as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster.spec import ClusterSpec, cluster_config
+from flexmarl.cluster.spec import ClusterSpec, cluster_config, parse_cores
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train
@@ -24,6 +24,8 @@ from flexmarl.store.experience_store import ExperienceStore
 from test_team import two_agent_config
 
 STEPS = 3
+# Under Ray the rollout workers run on the first core, the trainers on the last.
+CORES = sorted(os.sched_getaffinity(0))
 
 
 # -- pure parts -------------------------------------------------------------------------
@@ -59,10 +61,21 @@ def test_a_mesh_over_two_nodes_is_one_process_per_node_or_per_devices_per_proces
     ('temp_dir', '/tmp/' + 'x' * 80, 'socket paths over 107 bytes'),
     ('devices_per_process', -1, 'must be >= 0'),
     ('call_timeout_s', 0, 'must be > 0 seconds'),
+    ('rollout_cores', '3-1', 'write cores as taskset -c does'),
+    ('trainer_cores', '0,x', 'write cores as taskset -c does'),
+    ('trainer_cores', '0', "only Ray workers are pinned to cores: set cluster.backend='ray'"),
 ])
 def test_bad_cluster_fields_are_named(field, value, match):
   with pytest.raises(ConfigError, match=rf'config\.cluster\.{field}=.*{match}'):
     ClusterSpec.from_config({field: value})
+
+
+def test_cores_are_read_as_taskset_writes_them_and_must_exist_here():
+  assert parse_cores('f', '0,2-3, 5') == (0, 2, 3, 5)
+  assert parse_cores('f', '') == ()
+  with pytest.raises(ConfigError, match=r"config\.cluster\.rollout_cores='4096': this machine "
+                     r'has no core 4096 .* it may use 0'):
+    ClusterSpec.from_config({'backend': 'ray', 'rollout_cores': '4096'})
 
 
 def test_a_training_pool_is_refused_under_ray():
@@ -96,6 +109,8 @@ def _config(schedule: str, backend: str):
   # Trainers on devices 0 and 1 (the first node), instances on 2 and 3 (the second).
   c.rollout.devices = 'separate'
   c.cluster = cluster_config(backend=backend, devices=4, call_timeout_s=300.0)
+  if backend == 'ray':
+    c.cluster.rollout_cores, c.cluster.trainer_cores = str(CORES[0]), str(CORES[-1])
   return c
 
 
@@ -174,6 +189,9 @@ def test_placement_lists_both_nodes_and_work_runs_on_both(runs):
   assert node['train:solver'] == node['train:verifier']  # devices 0, 1: the first node
   assert node['rollout:solver:2'] == node['rollout:verifier:3'] != node['train:solver']
   assert len({p[0]['pid'] for p in processes.values()}) == 4
+  # Pinned as `cluster.rollout_cores` / `trainer_cores` ask, JAX's threads included.
+  for group, p in processes.items():
+    assert p[0]['cores'] == [CORES[-1] if group.startswith('train:') else CORES[0]], group
 
 
 # -- a trainer group of two processes ---------------------------------------------------

@@ -1,7 +1,12 @@
 """GRPO step throughput of one agent on `a+b=` (a, b in 0-9), through the product path.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python experiments/benchmarks/grpo_step.py [--steps=100] [--warmup=5]
+  python experiments/benchmarks/grpo_step.py [--steps=100] [--warmup=5]
+
+One agent needs one device, and the machine's own CPU device is what a peer library's
+run gets. Forcing more host devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`,
+as the tests do for meshes) changes the measurement: XLA's CPU client runs as many
+compute threads as it has devices (at least one per core), so 8 threads share two cores
+and the same step costs ≈1.2x the CPU time (RESULTS.md).
 
 Model in the Qwen2 layout: 2 layers, width 128, MLP 256, 4 heads (2 KV heads of 32),
 vocab 64, fp32. 16 prompts x 8 samples per step, at most 8 new tokens, temperature

@@ -269,7 +269,7 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
     group = f'train:{name}'
     slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
     job = TrainerJob(name, a, bases.agent_seed(spec.seed, index), tokenizers[name].banned_ids,
-                     workdir, spec.compile_cache_dir)
+                     workdir, spec.compile_cache_dir, c.trainer_cores)
     remote, cluster.processes[group] = start_trainer_group(
         job, slots, cluster.gpus, cluster.cpu_devices, c, a.layout.batch_multiple)
     cluster.trainers[name] = remote

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,12 @@ class ClusterSpec:
     trainer process died.
   - temp_dir: Ray's session folder for a cluster started here (short: socket paths
     over 107 bytes fail).
+  - rollout_cores, trainer_cores: the CPU cores (numbered on each node) that every
+    rollout worker, and every trainer process, runs on, as `taskset -c` writes them:
+    '0', '2-5', '0,4-7'; '' leaves the process to the OS. Keeps the two roles off each
+    other's cores: the host work of a rollout (sampling loop, vLLM's scheduler) then
+    never waits behind a trainer's, and on a CPU-only machine rollout and training
+    run on separate hardware, as the paper's pools do.
   """
 
   backend: str = 'local'
@@ -47,6 +54,8 @@ class ClusterSpec:
   worker_restarts: int = 3
   run_restarts: int = 2
   temp_dir: str = '/tmp/flexray'
+  rollout_cores: str = ''
+  trainer_cores: str = ''
 
   @classmethod
   def from_config(cls, values: Mapping[str, Any] | None, field: str = 'cluster') -> ClusterSpec:
@@ -62,6 +71,20 @@ class ClusterSpec:
     if len(c.temp_dir) > 60:
       fail(f'{field}.temp_dir', c.temp_dir, 'keep it under 60 characters: Ray puts socket '
            'files under it, and socket paths over 107 bytes fail.')
+    for name in ('rollout_cores', 'trainer_cores'):
+      cores = parse_cores(f'{field}.{name}', getattr(c, name))
+      if cores and c.backend != 'ray':
+        fail(f'{field}.{name}', getattr(c, name), "only Ray workers are pinned to cores: set "
+             f"{field}.backend='ray', or leave it ''.")
+      if cores and not c.address:  # a cluster started here: its nodes are this machine
+        usable = _usable_cores()
+        if not usable:
+          fail(f'{field}.{name}', getattr(c, name), "this OS cannot pin a process to cores "
+               "(no sched_setaffinity): leave it ''.")
+        missing = sorted(set(cores) - set(usable))
+        if missing:
+          fail(f'{field}.{name}', getattr(c, name), f'this machine has no core {missing[0]} '
+               f'that this process may use; it may use {_ranges(usable)}.')
     if c.backend == 'ray':
       try:
         import ray  # noqa: F401  (the check: installed with requirements.txt)
@@ -69,6 +92,33 @@ class ClusterSpec:
         fail(f'{field}.backend', 'ray', 'Ray is not installed: pip install -r requirements.txt '
              "(ray), or use --config.cluster.backend=local.")
     return c
+
+
+def parse_cores(field: str, text: str) -> tuple[int, ...]:
+  """'0,2-3' -> (0, 2, 3); '' -> () (no pinning). Errors name `field`."""
+  cores: set[int] = set()
+  for part in filter(None, (p.strip() for p in str(text).split(','))):
+    low, dash, high = part.partition('-')
+    if not (low.isdigit() and (high.isdigit() or not dash)) or (high and int(high) < int(low)):
+      fail(field, text, "write cores as taskset -c does: '0', '2-5', '0,4-7' (or '' for any).")
+    cores.update(range(int(low), int(high or low) + 1))
+  return tuple(sorted(cores))
+
+
+def _usable_cores() -> tuple[int, ...]:
+  """The cores this process may run on."""
+  return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, 'sched_getaffinity') else ()
+
+
+def _ranges(cores: tuple[int, ...]) -> str:
+  """(0, 1, 2, 5) -> '0-2,5'."""
+  runs: list[list[int]] = []
+  for c in cores:
+    if runs and c == runs[-1][1] + 1:
+      runs[-1][1] = c
+    else:
+      runs.append([c, c])
+  return ','.join(f'{a}' if a == b else f'{a}-{b}' for a, b in runs)
 
 
 def cluster_config(**overrides: Any) -> ml_collections.ConfigDict:

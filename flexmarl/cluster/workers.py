@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl import compile_cache
+from flexmarl.cluster.spec import parse_cores
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Weights
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
@@ -29,13 +30,50 @@ class WeightsMissing(RuntimeError):
 
 
 def where(devices: tuple[int, ...]) -> dict[str, Any]:
-  """This process: its node, address, pid, planned and local devices."""
+  """This process: its node, address, pid, planned and local devices, the cores its
+  threads may run on."""
   import jax
   import ray
   return {'node': ray.get_runtime_context().get_node_id()[:12],
           'address': ray.util.get_node_ip_address(), 'pid': os.getpid(),
           'devices': list(devices),
-          'local_devices': [str(d) for d in jax.local_devices()[:len(devices)]]}
+          'local_devices': [str(d) for d in jax.local_devices()[:len(devices)]],
+          'cores': _cores_used()}
+
+
+def _cores_used() -> list[int]:
+  """Every core some thread of this process may run on ([] where the OS does not say)."""
+  if not os.path.isdir('/proc/self/task'):
+    return []
+  cores: set[int] = set()
+  for thread in os.listdir('/proc/self/task'):
+    try:
+      cores |= os.sched_getaffinity(int(thread))
+    except ProcessLookupError:  # the thread ended meanwhile
+      pass
+  return sorted(cores)
+
+
+def pin_to_cores(text: str, field: str) -> None:
+  """Run every thread of this process, and those it starts later, on the cores `text`
+  names (`cluster.rollout_cores` / `cluster.trainer_cores`; '' leaves them be). Called
+  before JAX starts its threads, which then inherit the cores."""
+  cores = parse_cores(f'cluster.{field}', text)
+  if not cores:
+    return
+  if not hasattr(os, 'sched_setaffinity'):
+    raise ValueError(f"config.cluster.{field}={text!r}: this OS cannot pin a process to cores "
+                     "(no sched_setaffinity); leave it ''.")
+  usable = set(os.sched_getaffinity(0))
+  if not set(cores) <= usable:
+    raise ValueError(f'config.cluster.{field}={text!r}: this node ({socket.gethostname()}) has '
+                     f'no core {min(set(cores) - usable)} that the worker may use; it may use '
+                     f'{sorted(usable)}. Name cores that every node has.')
+  for thread in os.listdir('/proc/self/task'):
+    try:
+      os.sched_setaffinity(int(thread), cores)
+    except ProcessLookupError:  # the thread ended meanwhile
+      pass
 
 
 class RolloutWorker:
@@ -51,6 +89,7 @@ class RolloutWorker:
     from flexmarl.build import vllm_sampler_on
     from flexmarl.models import hf, sharding
     from flexmarl.rollout.sampler import EmbeddedSampler
+    pin_to_cores(spec.cluster.rollout_cores, 'rollout_cores')
     compile_cache.use(spec.compile_cache_dir)
     self.devices = devices
     a = spec.agents[agent]
@@ -93,6 +132,7 @@ class TrainerJob:
   banned_ids: tuple[int, ...]
   workdir: str
   compile_cache_dir: str = ''
+  cores: str = ''  # cluster.trainer_cores
 
 
 class TrainerRank:
@@ -116,6 +156,7 @@ class TrainerRank:
 
   def start(self, coordinator: str, job: TrainerJob) -> dict[str, Any]:
     """Join the group's JAX cluster, then build the trainer on the global mesh."""
+    pin_to_cores(job.cores, 'trainer_cores')
     import jax
     if self.size > 1:
       jax.distributed.initialize(coordinator, self.size, self.rank)
