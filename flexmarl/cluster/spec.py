@@ -41,9 +41,7 @@ class ClusterSpec:
   - rollout_cores, trainer_cores: the CPU cores (numbered on each node) that every
     rollout worker, and every trainer process, runs on, as `taskset -c` writes them:
     '0', '2-5', '0,4-7'; '' leaves the process to the OS. Keeps the two roles off each
-    other's cores: the host work of a rollout (sampling loop, vLLM's scheduler) then
-    never waits behind a trainer's, and on a CPU-only machine rollout and training
-    run on separate hardware, as the paper's pools do.
+    other's cores (docs/cluster.md says when that pays).
   """
 
   backend: str = 'local'
