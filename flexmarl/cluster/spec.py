@@ -82,7 +82,7 @@ class ClusterSpec:
         missing = sorted(set(cores) - set(usable))
         if missing:
           fail(f'{field}.{name}', getattr(c, name), f'this machine has no core {missing[0]} '
-               f'that this process may use; it may use {_ranges(usable)}.')
+               f'that this process may use; it may use {list(usable)}.')
     if c.backend == 'ray':
       try:
         import ray  # noqa: F401  (the check: installed with requirements.txt)
@@ -106,17 +106,6 @@ def parse_cores(field: str, text: str) -> tuple[int, ...]:
 def _usable_cores() -> tuple[int, ...]:
   """The cores this process may run on."""
   return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, 'sched_getaffinity') else ()
-
-
-def _ranges(cores: tuple[int, ...]) -> str:
-  """(0, 1, 2, 5) -> '0-2,5'."""
-  runs: list[list[int]] = []
-  for c in cores:
-    if runs and c == runs[-1][1] + 1:
-      runs[-1][1] = c
-    else:
-      runs.append([c, c])
-  return ','.join(f'{a}' if a == b else f'{a}-{b}' for a, b in runs)
 
 
 def cluster_config(**overrides: Any) -> ml_collections.ConfigDict:
