@@ -51,10 +51,12 @@ def test_a_second_run_loads_its_steps_and_trains_alike(tmp_path):
   steps = {e for e in written if not e.startswith('jit_generate_tokens-')}
   assert any(e.startswith('jit_accumulate-') for e in steps), written
   second = _run(tmp_path, str(cache), 'b')
-  # The rollout batches what is queued when an instance frees up, so a run may meet a
-  # batch size the first one did not; every other program compiled once.
+  # The train steps compiled once: the second run wrote none of its own. (Other programs
+  # may be new: the rollout batches what is queued when an instance frees up, so a run
+  # may meet a generate batch size the first did not, and a program that compiles in
+  # about MIN_COMPILE_S is written by one run and not the other.)
   new = _entries(cache) - written
-  assert all(e.startswith('jit_generate_tokens-') for e in new), new
+  assert not any(e.startswith(('jit_accumulate-', 'jit_apply-')) for e in new), new
   assert second['loads'] >= len(steps), (second['loads'], len(steps))
   assert second['losses'] == first['losses']  # the loaded programs compute the same numbers
 
