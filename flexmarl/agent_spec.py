@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from flexmarl.errors import ConfigError
-from flexmarl.models import hf, peft, sharding
+from flexmarl.models import gguf, hf, peft, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
@@ -160,11 +160,13 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
 
 
 def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
-  """The ModelConfig of an HF checkpoint folder, checked before anything loads."""
-  if not os.path.isfile(os.path.join(folder, 'config.json')) or not glob.glob(
-      os.path.join(folder, '*.safetensors')):
+  """The ModelConfig of an HF checkpoint folder or a GGUF file, checked before anything
+  loads."""
+  if not gguf.is_gguf(folder) and (not os.path.isfile(os.path.join(folder, 'config.json'))
+                                   or not glob.glob(os.path.join(folder, '*.safetensors'))):
     fail(field, folder, 'give a Hugging Face model folder holding config.json and '
-         '*.safetensors (e.g. one written by `python -m flexmarl.export`).')
+         '*.safetensors (e.g. one written by `python -m flexmarl.export`), a .gguf file, or '
+         'package:NAME for the GGUF file an installed package ships.')
   try:
     return hf.model_config_from_hf(folder, dtype=dtype)
   except (KeyError, ValueError) as e:

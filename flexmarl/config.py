@@ -61,6 +61,9 @@ class TeamSpec:
   cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
   # Compiled steps kept on disk between runs ('' keeps none; see flexmarl.compile_cache).
   compile_cache_dir: str = compile_cache.DEFAULT_DIR
+  # Held-out evaluation (greedy pass@1, flexmarl.evaluate) before the first step, every
+  # eval_every steps and after the last; 0: none. Needs a workflow with eval_queries().
+  eval_every: int = 0
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
@@ -261,6 +264,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   if not isinstance(cache_dir, str):
     fail('compile_cache_dir', cache_dir, "give a folder for compiled steps (default "
          f"{compile_cache.DEFAULT_DIR!r}), or '' to compile every run afresh.")
+  eval_every = whole_number('eval_every', config.get('eval_every', 0), 0, '0: no evaluation')
   cluster = ClusterSpec.from_config(config.get('cluster'))
   if cluster.backend == 'ray' and placement.pool:
     fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
@@ -276,7 +280,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   placement=placement, checkpoint_every=config.checkpoint_every,
                   training=training, trace_steps=trace_steps, store_keep_steps=keep,
-                  cluster=cluster, compile_cache_dir=cache_dir)
+                  cluster=cluster, compile_cache_dir=cache_dir, eval_every=eval_every)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,
@@ -291,10 +295,10 @@ def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tok
     query = parse_sample_id(ids[0]).query_id if ids else '?'
     try:
       tokenizer = tokenizers[agent] if isinstance(tokenizers, Mapping) else tokenizers
-      n = len(tokenizer.encode(prompt))
+      n = len(tokenizer.encode_prompt(prompt))
     except ValueError as e:
       raise ConfigError(f'query {query}, agent {agent!r}: {e}') from None
-    longest = max(longest, (n, agent, prompt))
+    longest = max(longest, (n, agent, prompt), key=lambda x: x[0])
   n, agent, prompt = longest
   if n > max_prompt_len:
     fail('max_prompt_len', max_prompt_len,

@@ -31,6 +31,7 @@ from flexmarl.clock import Clock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
+from flexmarl.held_out import evaluate, format_eval
 from flexmarl.interfaces import Stats
 from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
@@ -294,6 +295,8 @@ class JointOrchestrator:
     stalls = StallWatch()
     t0 = self.clock.now()
     try:
+      if self.spec.eval_every and not start_step:
+        self.evaluate(writer, log)  # the starting weights: the "before" figure
       with StopRequest() as stop:
         while self.step < self.spec.steps and not stop.requested:
           lines = self.run_step()
@@ -314,6 +317,9 @@ class JointOrchestrator:
             log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
             log(format_step(self.step, self.spec.steps, lines))
+          if self.spec.eval_every and (self.step % self.spec.eval_every == 0
+                                       or self.step == self.spec.steps):
+            self.evaluate(writer, log)
           if (self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
               or stop.requested):
             self.save()
@@ -325,6 +331,19 @@ class JointOrchestrator:
       self.close()
     return write_summary(self.workdir, self.clock.now() - t0,
                          utilization.run_summary(spans.load_spans(trace)), steps=self.step)
+
+  def evaluate(self, writer: MetricsWriter, log=print) -> dict[str, dict[str, float]]:
+    """Held-out evaluation of the weights published now (`flexmarl.evaluate`), written as
+    metrics lines of the current step. A rollout begun early for the next step is
+    abandoned first (its queries are served again, so the run's samples do not change)."""
+    self._drop_started()
+    start = self.clock.now()
+    lines = evaluate(self.engine, self.workflow)
+    lines[TEAM]['eval_s'] = self.clock.now() - start
+    for agent, values in lines.items():
+      writer.write(self.step, agent, values)
+    log(format_eval(self.step, lines))
+    return lines
 
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store; then run

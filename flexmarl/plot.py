@@ -27,7 +27,7 @@ from flexmarl.metrics import utilization as ut  # pylint: disable=g-import-not-a
 from flexmarl.metrics.spans import TRACE_FILE, Span, load_spans
 from flexmarl.metrics.writer import TEAM, read_metrics
 
-CURVES = ('reward_mean', 'accuracy')
+CURVES = ('reward_mean', 'accuracy', 'eval_accuracy')  # eval: held-out, greedy
 
 
 def auto_window(points: int) -> int:

@@ -51,6 +51,8 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
                                vllm_demand)
   from flexmarl.build import build_orchestrator
   from flexmarl.clock import RealClock
+  from flexmarl.errors import ConfigError
+  from flexmarl.held_out import has_held_out
   from flexmarl.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow, check_workflow_api
@@ -89,6 +91,10 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
     requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
                               spec.seed)
     check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
+    if spec.eval_every and not has_held_out(workflow):
+      raise ConfigError(f'config.eval_every={spec.eval_every}: the workflow '
+                        f'{type(workflow).__name__} has no held-out problems (an eval_queries() '
+                        'method); set eval_every=0 or use a workflow that has them.')
     for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
       log(f'warning: {warning}')
     workdirs.accept_workdir(workdir, config, workflow, experiment)
@@ -144,6 +150,9 @@ def format_summary(summary: dict) -> str:
   for name, s in summary['agents'].items():
     rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
                 f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8}")
+  for name, e in summary.get('eval', {}).items():
+    rows.append(f"{name:<12} held-out greedy accuracy {e['first_accuracy']:.2f} (step "
+                f"{e['first_step']}) → {e['last_accuracy']:.2f} (step {e['last_step']})")
   rows.append(f"{summary['steps']} steps in {summary['wall_s']:.0f}s, "
               f"{summary['tokens_per_s']:.0f} generated tokens/s")
   return '\n'.join(rows)

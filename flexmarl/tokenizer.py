@@ -13,14 +13,20 @@ answer and `banned_ids` (every other special token) are never sampled.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import os
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
+CHAT_ROLES = ('system', 'user', 'assistant', 'tool')
+# A prompt: raw text, or chat messages ({'role': ..., 'content': ...}) that the agent's
+# chat template renders.
+Prompt = str | Sequence[Mapping[str, str]]
 # Characters the built-in tasks use; kept in a fixed order so ids never move.
 DEFAULT_CHARS = string.digits + string.ascii_lowercase + ' +-*=?:>|<,.'
 
@@ -69,6 +75,52 @@ class TextTokenizer:
                          '(e.g. lower-case them), or use an HF tokenizer (config.tokenizer).')
     return self.hf.encode(text).ids
 
+  @property
+  def chat_template(self) -> str | None:
+    return self.hf_config.get('chat_template')
+
+  @functools.cached_property
+  def _template(self):
+    """The chat template compiled as transformers compiles it (a sandboxed Jinja
+    environment, trim_blocks and lstrip_blocks, its `tojson`, `raise_exception` and
+    `strftime_now`), so it renders the same text."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+      raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=['jinja2.ext.loopcontrols'])
+    env.filters['tojson'] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals['raise_exception'] = raise_exception
+    env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(self.chat_template)
+
+  def render_chat(self, messages: Sequence[Mapping[str, str]],
+                  add_generation_prompt: bool = True) -> str:
+    """The text of `messages` in the model's chat format, ending (by default) with the
+    header of the assistant's turn that the model is to write."""
+    if not self.chat_template:
+      raise ValueError('this tokenizer has no chat template (tokenizer_config.json '
+                       '"chat_template"); pass the prompt as a string, or use a '
+                       "checkpoint's own tokenizer (an instruct model's carries one).")
+    check_messages(messages)
+    specials = {k: v for k, v in self.specials.items() if v is not None}
+    return self._template.render(messages=[dict(m) for m in messages], tools=None,
+                                 documents=None, add_generation_prompt=add_generation_prompt,
+                                 **specials)
+
+  def encode_prompt(self, prompt: Prompt) -> list[int]:
+    """Ids of a prompt: a string by the tokenizer's own call (`encode`); chat messages
+    rendered by the chat template and encoded without added special tokens (the template
+    writes them), exactly as transformers' `apply_chat_template` encodes them."""
+    if isinstance(prompt, str):
+      return self.encode(prompt)
+    return self.hf.encode(self.render_chat(prompt), add_special_tokens=False).ids
+
   def decode(self, ids) -> str:
     """Text of response ids up to the first stop id. Every other token is shown,
     special ones included: a token the reward never sees is one the policy never
@@ -90,6 +142,23 @@ class TextTokenizer:
     with open(os.path.join(folder, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
       json.dump(config, f, indent=2)
     return path
+
+
+def check_messages(messages) -> None:
+  """Raises unless `messages` is a non-empty list of {'role', 'content'} chat messages."""
+  example = "[{'role': 'user', 'content': 'What is 2 + 3?'}]"
+  if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) \
+      or not messages:
+    raise ValueError(f'prompt={messages!r}: give a string, or a non-empty list of chat '
+                     f'messages, e.g. {example}.')
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping) or set(m) - {'role', 'content'} or 'role' not in m:
+      raise ValueError(f'prompt message {i} ({m!r}): give a dict with "role" and "content", '
+                       f'e.g. {example}.')
+    if m['role'] not in CHAT_ROLES:
+      raise ValueError(f'prompt message {i}: role {m["role"]!r} is not one of {CHAT_ROLES}.')
+    if not isinstance(m.get('content'), str):
+      raise ValueError(f'prompt message {i}: content {m.get("content")!r} is not a string.')
 
 
 def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
@@ -119,9 +188,16 @@ def _special(value) -> str | None:
 
 
 def load_tokenizer(path: str) -> TextTokenizer:
-  """`path`: 'char' for the built-in one, a tokenizer.json, or an HF tokenizer folder."""
+  """`path`: 'char' for the built-in one, a tokenizer.json, an HF tokenizer folder, or a
+  GGUF checkpoint (a .gguf file, `package:NAME`) whose own tokenizer and chat template it
+  carries."""
   if path == 'char':
     return build_char_tokenizer()
+  from flexmarl.models import gguf
+  if gguf.is_gguf(path):
+    tokenizer, cfg = gguf.tokenizer_parts(path)
+    return TextTokenizer(tokenizer, eos=cfg['eos_token'], bos=cfg.get('bos_token'),
+                         pad=cfg.get('pad_token'), hf_config=cfg)
   folder, file = (path, os.path.join(path, 'tokenizer.json')) if os.path.isdir(path) else (
       os.path.dirname(path), path)
   if not os.path.exists(file):

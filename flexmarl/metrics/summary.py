@@ -32,6 +32,8 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
   """Per agent: reward and accuracy as the mean over its first `window` updates and over
   its last `window` (single steps of small batches are noisy); NaN for an agent without
   updates. Steps are counted from every line, so one torn team line does not miscount."""
+  evals = [l for l in lines if 'eval_accuracy' in l]  # held-out evaluation rows
+  lines = [l for l in lines if 'eval_accuracy' not in l]
   agents = sorted({l['agent'] for l in lines} - {TEAM})
   summary: dict = {'wall_s': wall_s, 'agents': {}}
   for agent in agents:
@@ -42,6 +44,13 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
         'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
         'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
         'updates': len(mine)}
+  if evals:  # held-out greedy accuracy at the first evaluation and at the last
+    for agent in sorted({l['agent'] for l in evals}):
+      mine = sorted((l for l in evals if l['agent'] == agent), key=lambda l: l['step'])
+      summary.setdefault('eval', {})[agent] = {
+          'first_step': mine[0]['step'], 'first_accuracy': mine[0]['eval_accuracy'],
+          'last_step': mine[-1]['step'], 'last_accuracy': mine[-1]['eval_accuracy'],
+          'first_reward': mine[0]['eval_reward'], 'last_reward': mine[-1]['eval_reward']}
   team = [l for l in lines if l['agent'] == TEAM]
   run_time = sum(l['step_time_s'] for l in team)
   summary['tokens_per_s'] = sum(l['tokens'] for l in team) / run_time if run_time else 0.0

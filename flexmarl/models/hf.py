@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flexmarl.models import lora, transformer
+from flexmarl.models import gguf, lora, transformer
 from flexmarl.models.transformer import ModelConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': False, 'Qwen2ForCausalLM': True}  # → qkv bias
@@ -48,7 +48,10 @@ def _read_config(hf_dir: str) -> dict:
 
 
 def model_config_from_hf(hf_dir: str, dtype: str = 'float32') -> ModelConfig:
-  """The decoder's architecture from an HF folder's config.json (Llama or Qwen2)."""
+  """The decoder's architecture from an HF folder's config.json (Llama or Qwen2), or from
+  a GGUF checkpoint's metadata (`models.gguf`)."""
+  if gguf.is_gguf(hf_dir):
+    return gguf.model_config(hf_dir, dtype)
   c = _read_config(hf_dir)
   arch = (c.get('architectures') or ['?'])[0]
   if arch not in ARCHITECTURES:
@@ -170,30 +173,44 @@ def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   return nnx.split(nnx.eval_shape(lambda: transformer.Decoder(cfg, nnx.Rngs(0))))
 
 
-def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:
-  """Params (pure dict, `nnx.to_pure_dict` layout) from an HF folder, each tensor
-  read lazily, converted, cast to `cfg.dtype` and put onto its sharding in turn."""
+def _tensor_reader(checkpoint: str, cfg: ModelConfig, stack: contextlib.ExitStack
+                   ) -> dict[str, Callable[[], np.ndarray]]:
+  """HF tensor name → a function reading that tensor (HF layout) from the checkpoint: a
+  safetensors folder, or a GGUF file dequantized on the way (`models.gguf`)."""
+  if gguf.is_gguf(checkpoint):
+    return gguf.tensor_reader(checkpoint, cfg)
   from safetensors import safe_open
-  files = _tensor_files(hf_dir)
+  handles: dict[str, Any] = {}
+
+  def reader(name: str, path: str) -> Callable[[], np.ndarray]:
+    def read():
+      if path not in handles:
+        handles[path] = stack.enter_context(safe_open(path, framework='numpy'))
+      return handles[path].get_tensor(name)
+    return read
+  return {name: reader(name, path) for name, path in _tensor_files(checkpoint).items()}
+
+
+def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:
+  """Params (pure dict, `nnx.to_pure_dict` layout) from an HF folder or a GGUF file, each
+  tensor read lazily, converted, cast to `cfg.dtype` and put onto its sharding in turn."""
   wanted = param_map(cfg)
-  missing = [name for _, name, _, _ in wanted if name not in files]
-  if missing:
-    _fail(hf_dir, f'tensors missing: {missing[:4]}{" ..." if len(missing) > 4 else ""}',
-          'the folder does not hold the model its config.json describes.')
-  used = {name for _, name, _, _ in wanted}
-  extra = [k for k in files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
-           and not (cfg.tie_embeddings and k == 'lm_head.weight')]
-  if extra:
-    _fail(hf_dir, f'unexpected tensors {extra[:4]}', 'this model layout is not supported.')
   _, abstract = abstract_params(cfg)
   shapes = nnx.to_pure_dict(abstract)
   params: dict = {}
   with contextlib.ExitStack() as stack:
-    handles: dict[str, Any] = {}
+    files = _tensor_reader(hf_dir, cfg, stack)
+    missing = [name for _, name, _, _ in wanted if name not in files]
+    if missing:
+      _fail(hf_dir, f'tensors missing: {missing[:4]}{" ..." if len(missing) > 4 else ""}',
+            'the checkpoint does not hold the model its config describes.')
+    used = {name for _, name, _, _ in wanted}
+    extra = [k for k in files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+             and not (cfg.tie_embeddings and k == 'lm_head.weight')]
+    if extra:
+      _fail(hf_dir, f'unexpected tensors {extra[:4]}', 'this model layout is not supported.')
     for path, name, from_hf, _ in wanted:
-      if files[name] not in handles:
-        handles[files[name]] = stack.enter_context(safe_open(files[name], framework='numpy'))
-      raw = handles[files[name]].get_tensor(name)
+      raw = files[name]()
       expected = _get(shapes, path).shape
       try:
         value = from_hf(raw).astype(jnp.dtype(cfg.dtype))

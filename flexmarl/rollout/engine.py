@@ -28,7 +28,7 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
-from flexmarl.tokenizer import TextTokenizer
+from flexmarl.tokenizer import Prompt, TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import check_episode, run_error, timeout_error
 
@@ -64,7 +64,7 @@ class _Client:
   def __init__(self, name: str, ctx: '_QueryContext'):
     self.name, self._ctx = name, ctx
 
-  async def generate(self, prompt: str, n: int | None = None, *,
+  async def generate(self, prompt: Prompt, n: int | None = None, *,
                      max_new_tokens: int | None = None,
                      stop: Sequence[str] = ()) -> list[Completion]:
     return await self._ctx.submit(self.name, prompt, n, max_new_tokens, stop)
@@ -80,13 +80,13 @@ class _QueryContext:
     self.waiting = 0  # generate calls not answered yet
     self._next_call = 0
 
-  def submit(self, agent: str, prompt: str, n: int | None, max_new_tokens: int | None,
+  def submit(self, agent: str, prompt: Prompt, n: int | None, max_new_tokens: int | None,
              stop: Sequence[str]) -> asyncio.Future:
     engine, qid = self.engine, self.query.query_id
     if agent not in engine.pools:
       raise KeyError(f'query {qid}: the workflow asked for agent {agent!r}; '
                      f'configured agents: {sorted(engine.pools)}.')
-    n = engine.group_sizes[agent] if n is None else n
+    n = engine.group_sizes[agent] if n is None or engine.evaluation else n
     if not isinstance(n, int) or n < 1:
       raise ValueError(f'query {qid}: generate(n={n!r}) for agent {agent!r}: '
                        'n must be a whole number >= 1.')
@@ -100,7 +100,10 @@ class _QueryContext:
     if not all(isinstance(s, str) and s for s in stop):
       raise ValueError(f'query {qid}: generate(stop={stop!r}) for agent {agent!r}: give '
                        'non-empty strings, e.g. stop=["\\n"].')
-    ids = engine.tokenizers[agent].encode(prompt)
+    try:
+      ids = engine.tokenizers[agent].encode_prompt(prompt)
+    except ValueError as e:
+      raise ValueError(f'query {qid}: generate() for agent {agent!r}: {e}') from None
     future = asyncio.get_running_loop().create_future()
     self.requests.append(Request(
         self.index, qid, self._next_call, agent, ids, n, len(ids) + n * limit, future,
@@ -119,8 +122,12 @@ class RolloutEngine:
                tokenizers: TextTokenizer | Mapping[str, TextTokenizer], seed: int, *,
                clock: Clock | None = None, concurrency: int = 8,
                max_batch: int = 256, balancer: Balancer | None = None,
-               query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None):
+               query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None,
+               evaluation: bool = False):
+    """`evaluation`: held-out evaluation, pass@1: every request gets one greedy answer,
+    whatever `n` the workflow asks for (see `evaluation_engine`)."""
     self.pools = dict(pools)
+    self.evaluation = evaluation
     self.sampling, self.group_sizes = dict(sampling), dict(group_sizes)
     # Each agent's prompts are encoded and its answers decoded by its own tokenizer.
     self.tokenizers = (dict(tokenizers) if isinstance(tokenizers, Mapping)
@@ -133,6 +140,15 @@ class RolloutEngine:
     # One private loop for every rollout: a fresh loop per call costs more than a small
     # model's whole generation step.
     self._loop = asyncio.new_event_loop()
+
+  def evaluation_engine(self) -> 'RolloutEngine':
+    """An engine over the same instances (serving the same weights) that answers every
+    request once, greedily: held-out evaluation. Nothing it serves is trained on."""
+    greedy = {a: dataclasses.replace(s, temperature=0.0) for a, s in self.sampling.items()}
+    return RolloutEngine(self.pools, greedy, dict.fromkeys(self.pools, 1), self.tokenizers,
+                         self.seed, clock=self.clock, concurrency=self.concurrency,
+                         max_batch=self.max_batch, query_timeout_s=self.query_timeout_s,
+                         evaluation=True)
 
   @property
   def instances(self) -> list[Instance]:

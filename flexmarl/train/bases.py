@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from flax import nnx
 
-from flexmarl.models import hf, transformer
+from flexmarl.models import gguf, hf, transformer
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import ModelConfig
 
@@ -36,7 +36,8 @@ def agent_seed(team_seed: int, index: int) -> int:
 def base_key(model: ModelConfig, checkpoint: str, seed: int) -> Hashable:
   """What makes two agents' bases the same: the architecture (adapters aside) and the
   HF checkpoint folder, or without one the random initialisation's seed."""
-  source = os.path.realpath(checkpoint) if checkpoint else f'seed:{seed}'
+  source = (checkpoint if gguf.is_gguf(checkpoint) and not os.path.exists(checkpoint)
+            else os.path.realpath(checkpoint)) if checkpoint else f'seed:{seed}'
   return dataclasses.replace(model, lora=LoRAConfig()), source
 
 

@@ -16,11 +16,12 @@ import ml_collections
 from flexmarl.errors import ConfigError
 
 from flexmarl.workflows.base import Workflow
+from flexmarl.workflows.chat_router import ChatRouter
 from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant
 from flexmarl.workflows.single_task import SingleTask
 from flexmarl.workflows.solver_verifier import SolverVerifier
 
-WORKFLOWS = {'hierarchical_assistant': HierarchicalAssistant, 'single_task': SingleTask,
+WORKFLOWS = {'chat_router': ChatRouter, 'hierarchical_assistant': HierarchicalAssistant, 'single_task': SingleTask,
              'solver_verifier': SolverVerifier}
 
 

@@ -102,10 +102,13 @@ def reward_value(reward: Any, sample_id: str) -> float:
 
 class AgentClient(Protocol):
 
-  async def generate(self, prompt: str, n: int | None = None, *,
-                     max_new_tokens: int | None = None,
+  async def generate(self, prompt: str | Sequence[Mapping[str, str]], n: int | None = None,
+                     *, max_new_tokens: int | None = None,
                      stop: Sequence[str] = ()) -> list[Completion]:
-    """Sample `n` responses (default: the agent's group size) to `prompt`, each at most
+    """Sample `n` responses (default: the agent's group size) to `prompt` — raw text, or
+    chat messages (`[{'role': 'system' | 'user' | 'assistant', 'content': ...}, ...]`,
+    several turns allowed) that the agent's tokenizer renders with its chat template and
+    whose answer ends at the template's end-of-turn token — each at most
     `max_new_tokens` long (default and cap: the agent's `sampling.max_new_tokens`) and
     ending at the first of the `stop` strings (left out of the text, as in vLLM)."""
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from flexmarl.data.records import sample_id
 from flexmarl.errors import ConfigError
+from flexmarl.tokenizer import Prompt, check_messages
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow, reward_value
 
 
@@ -72,11 +73,17 @@ class _StandIn:
   def __init__(self, name: str, group_size: int, query_id: str, log: list):
     self.name, self.group_size, self.query_id, self.log = name, group_size, query_id, log
 
-  async def generate(self, prompt: str, n: int | None = None) -> list[Completion]:
+  async def generate(self, prompt: Prompt, n: int | None = None, *,
+                     max_new_tokens: int | None = None, stop=()) -> list[Completion]:
     n = self.group_size if n is None else n
-    if not isinstance(prompt, str) or not prompt:
+    try:
+      if isinstance(prompt, str) and not prompt:
+        raise ValueError('give a non-empty string, or chat messages')
+      if not isinstance(prompt, str):
+        check_messages(prompt)
+    except ValueError as e:
       raise WorkflowError(f'query {self.query_id}: agents[{self.name!r}].generate(prompt='
-                          f'{prompt!r}): give a non-empty string prompt.')
+                          f'{prompt!r}): {e}') from None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise WorkflowError(f'query {self.query_id}: agents[{self.name!r}].generate(n={n!r}): '
                           'n must be a whole number >= 1 (default: the agent\'s group_size).')

