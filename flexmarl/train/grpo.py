@@ -22,6 +22,9 @@ Options from the field, all per agent:
   how much of its group is wrong (`entropy_weights`, `entropy_by_error`): it keeps an
   agent exploring where it is still wrong and fades where it is right. It can also be
   annealed to 0 over a number of updates (`entropy_decay_steps`).
+- Truncated importance sampling (`tis_cap`, verl and slime's TIS): the policy term of
+  each token weighted by min(pi_trainer / pi_sampler, cap), correcting for a sampler
+  whose numbers differ from the trainer's; `mismatch_terms` measures that difference.
 - No optimizer step from a batch without advantage signal (`skip_without_signal`, on
   by default; `takes_step`), unless the agent's batches have been mostly wrong without
   a signal several times in a row (`unstick_below`, `unstick_after`): a collapsed policy
@@ -159,20 +162,41 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
   return picked, entropy
 
 
+def tis_weights(logprobs: jax.Array, sampler_logprobs: jax.Array, cap: float) -> jax.Array:
+  """Truncated importance weights [B, T]: min(pi_trainer / pi_sampler, cap) of each
+  sampled token, without gradient (the trainer's logprobs at the parameters that
+  sampled it)."""
+  return jnp.minimum(jnp.exp(jax.lax.stop_gradient(logprobs) - sampler_logprobs), cap)
+
+
+def mismatch_terms(logprobs: jax.Array, sampler_logprobs: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Per token: |Δ logprob| between trainer and sampler, and the k3 estimate of
+  KL(sampler || trainer) (r - 1 - log r with r = pi_trainer / pi_sampler, unbiased under
+  the sampler's tokens, >= 0). Both 0 where the two agree exactly."""
+  delta = jax.lax.stop_gradient(logprobs) - sampler_logprobs
+  return jnp.abs(delta), jnp.exp(delta) - 1.0 - delta
+
+
 def grpo_token_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array,
                     advantages: jax.Array, entropy: jax.Array,
                     ref_logprobs: jax.Array | None, cfg: GRPOConfig,
-                    entropy_coef: jax.Array | float) -> jax.Array:
+                    entropy_coef: jax.Array | float,
+                    tis_weight: jax.Array | None = None) -> jax.Array:
   """Per-token loss [B, T] (to be masked and summed).
 
   advantages: [B], broadcast over a row's tokens; entropy_coef: a scalar, or [B, 1]
-  (per row: `entropy_weights` times the coefficient).
+  (per row: `entropy_weights` times the coefficient); tis_weight: [B, T] truncated
+  importance weights of the policy term (`tis_weights`), or None.
   """
   ratio = jnp.exp(logprobs - behaviour_logprobs)
   adv = advantages[:, None]
   low, high = cfg.clip_range
   clipped = jnp.clip(ratio, 1.0 - low, 1.0 + high)
-  loss = -jnp.minimum(ratio * adv, clipped * adv) - entropy_coef * entropy
+  policy = -jnp.minimum(ratio * adv, clipped * adv)
+  if tis_weight is not None:
+    policy = tis_weight * policy
+  loss = policy - entropy_coef * entropy
   if ref_logprobs is not None and cfg.kl_coef:
     log_r = ref_logprobs - logprobs
     loss = loss + cfg.kl_coef * (jnp.exp(log_r) - log_r - 1.0)  # k3 estimator

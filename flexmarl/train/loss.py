@@ -62,10 +62,17 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
   behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp),
                         batch['behaviour_logprobs'])
   bonus = entropy_coef * batch['entropy_weight'][:, None]  # [B, 1]
+  sampler = batch['behaviour_logprobs']
+  tis = grpo.tis_weights(logp, sampler, cfg.tis_cap) if cfg.tis_cap else None
   per_token = grpo.grpo_token_loss(logp, behaviour, batch['advantages'], entropy, ref_logp,
-                                   cfg, bonus)
-  served = jnp.exp(logp - batch['behaviour_logprobs'])  # against what the sampler saw
+                                   cfg, bonus, tis)
+  served = jnp.exp(logp - sampler)  # against what the sampler saw
+  # Trainer against sampler on the sampled tokens (on-policy rows: the same parameters,
+  # so only numerics differ; stale rows of async:k add their versions' difference).
+  delta, kl = grpo.mismatch_terms(logp, sampler)
   stats = {
+      'logprob_mismatch': grpo.masked_sum(delta, mask),
+      'mismatch_kl': grpo.masked_sum(kl, mask),
       'entropy': grpo.masked_sum(entropy, mask),
       'clipped': grpo.masked_sum(grpo.clipped_fraction_terms(jnp.exp(logp - behaviour), cfg),
                                  mask),

@@ -71,6 +71,12 @@ class GRPOConfig:
   # has groups that all agree, and only the bonus can move it. unstick_after=0: never.
   unstick_below: float = 0.5
   unstick_after: int = 5
+  # Truncated importance sampling (verl, slime): each token's loss is weighted by
+  # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
+  # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
+  # corrects for the sampler's numbers differing from the trainer's (vLLM kernels, bf16).
+  # 0: off (the sampler's tokens are trained as if the trainer had drawn them).
+  tis_cap: float = 0.0
   # From the agent's sampling section:
   temperature: float = dataclasses.field(default=1.0, metadata=DERIVED)  # of the logprobs
   max_new_tokens: int = dataclasses.field(default=0, metadata=DERIVED)  # 'constant' normaliser
@@ -95,6 +101,8 @@ class GRPOConfig:
       fail(f'{field}.clip_eps_low', g.clip_eps_low, 'must be < 1 (the ratio stays > 0).')
     for key in ('kl_coef', 'entropy_coef'):
       in_range(f'{field}.{key}', getattr(g, key), 0.0, math.inf, 'must be >= 0.')
+    if g.tis_cap and not number(f'{field}.tis_cap', g.tis_cap) >= 1:
+      fail(f'{field}.tis_cap', g.tis_cap, 'give 0 (off) or a cap >= 1 (verl uses 2).')
     whole_number(f'{field}.entropy_decay_steps', g.entropy_decay_steps, 0)
     in_range(f'{field}.unstick_below', g.unstick_below, 0.0, 1.0,
              'is an accuracy, 0 to 1.')

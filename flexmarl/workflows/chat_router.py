@@ -9,7 +9,10 @@ router cannot starve a specialist). The chosen specialist gets the problem with 
 system message asking for the final answer only.
 
 Rewards: a specialist earns the dataset's own score of its answer (partial credit
-where the scorer gives it). The router earns 1 for the expert that owns the problem's
+where the scorer gives it); an answer that is not in the asked form but ends with the
+right answer ("8 + 5 = 13") earns `format_credit` times the score of its last word, so
+that a base model's prose answers still rank above wrong ones and the group's gradient
+points toward the bare answer. The router earns 1 for the expert that owns the problem's
 dataset, `mention_credit` when its answer names that expert among other words and no
 other expert (a base model's wordy answer still points the gradient the right way),
 0 otherwise.
@@ -29,7 +32,7 @@ import numpy as np
 from flexmarl.workflows.base import AgentClient, Completion, Episode, Query, ordered_pairs
 from flexmarl.workflows.gym import GymTask
 
-ANSWER_ONLY = 'Reply with the final answer only: no words, no explanation.'
+ANSWER_ONLY = 'Reply with the final answer only.'
 
 
 def normalize(text: str) -> str:
@@ -42,7 +45,7 @@ class ChatRouter:
   def __init__(self, router: str, specialists: Sequence[tuple[str, str]],
                datasets: Mapping[str, Mapping] | None = None,
                descriptions: Mapping[str, str] | None = None, held_out: int = 32,
-               data_seed: int = 0, mention_credit: float = 0.25):
+               data_seed: int = 0, mention_credit: float = 0.25, format_credit: float = 0.5):
     """specialists: (reasoning-gym dataset, agent name) pairs; `datasets`: each dataset's
     config (its keyword arguments); `descriptions`: the router's one-line description
     of each agent (default: its dataset's name)."""
@@ -57,6 +60,7 @@ class ChatRouter:
     self.tasks = {d: GymTask(d, datasets.get(d), held_out, data_seed,
                              field=f'workflow.datasets.{d}') for d in self.specialists}
     self.held_out, self.mention_credit = held_out, float(mention_credit)
+    self.format_credit = float(format_credit)
     experts = '\n'.join(f'- {agent}: {descriptions.get(agent, dataset.replace("_", " "))}'
                         for dataset, agent in self.specialists.items())
     self.router_system = (f'You route problems to experts. The experts:\n{experts}\n'
@@ -92,10 +96,15 @@ class ChatRouter:
 
   async def _solve(self, agent: AgentClient, query: Query, episode: Episode) -> None:
     task = self.tasks[query.family]
-    answers = await agent.generate([{'role': 'system', 'content': ANSWER_ONLY},
-                                    {'role': 'user', 'content': query.prompt}])
+    answers = await agent.generate([{'role': 'user',
+                                     'content': f'{query.prompt}\n{ANSWER_ONLY}'}])
+    split, index = query.meta['split'], query.meta['index']
     for c in answers:
-      score = task.score(c.text, query.meta['split'], query.meta['index'])
+      score = task.score(c.text, split, index)
+      words = re.findall(r'[^\s]+', c.text)
+      last = words[-1].rstrip('.') if words else ''
+      if score < 1.0 and last and last != c.text.strip():
+        score = max(score, self.format_credit * task.score(last, split, index))
       episode.score(c, score, correct=score >= 1.0)
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
