@@ -55,11 +55,22 @@ def eval_lines(results: Sequence[EpisodeResult]) -> dict[str, dict[str, float]]:
   return lines
 
 
+def run_held_out(engine, workflow) -> list[EpisodeResult]:
+  """`workflow`'s held-out queries, answered greedily by `engine`'s instances (their
+  current weights)."""
+  return engine.evaluation_engine().run(workflow, list(workflow.eval_queries()))
+
+
 def evaluate(engine, workflow) -> dict[str, dict[str, float]]:
-  """Run `workflow`'s held-out queries greedily on `engine`'s instances (their current
-  weights); `eval_lines` of the results."""
-  queries = list(workflow.eval_queries())
-  return eval_lines(engine.evaluation_engine().run(workflow, queries))
+  """`eval_lines` of the held-out queries' results (see `run_held_out`)."""
+  return eval_lines(run_held_out(engine, workflow))
+
+
+def answer_texts(results: Sequence[EpisodeResult], tokenizers: Mapping
+                 ) -> dict[tuple[str, str], str]:
+  """(query id, agent) → the text of that agent's (one, greedy) answer to that query."""
+  return {(r.query.query_id, g.agent): tokenizers[g.agent].decode(g.tokens[0])
+          for r in results for g in r.served}
 
 
 def format_eval(step: int, lines: Mapping[str, Mapping[str, float]]) -> str:
