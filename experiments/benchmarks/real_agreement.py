@@ -121,7 +121,8 @@ def main(argv) -> None:
     import vllm
     engines = {}
     for a, f in folders.items():
-      llm = vllm.LLM(model=f, dtype='float32', enforce_eager=True, max_model_len=512)
+      llm = vllm.LLM(model=f, dtype='float32', enforce_eager=True, max_model_len=512,
+                     kv_cache_memory_bytes=256 << 20)
       tok = transformers.AutoTokenizer.from_pretrained(f)
 
       def answer(messages, max_new_tokens, llm=llm, tok=tok):

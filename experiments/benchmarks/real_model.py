@@ -173,7 +173,8 @@ def rollout(rows: int, new: int) -> list[dict]:
     except ImportError:
       return out
     os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
-    llm = vllm.LLM(model=folder, dtype='float32', enforce_eager=True, max_model_len=256)
+    llm = vllm.LLM(model=folder, dtype='float32', enforce_eager=True, max_model_len=256,
+                   kv_cache_memory_bytes=512 << 20)
     sp = vllm.SamplingParams(temperature=1.0, max_tokens=new, min_tokens=new,
                              ignore_eos=True, logprobs=1)
     batch = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
