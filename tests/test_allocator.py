@@ -15,6 +15,7 @@ F2 = sharding.layout((2,), ('fsdp',))
 T22 = sharding.layout((2, 2), ('fsdp', 'tensor'))
 
 
+@pytest.mark.quick
 def test_oldest_first_then_most_ready_work_then_name():
   waiting = [Waiting('a', 1, F2, since=5.0), Waiting('b', 3, F2, since=2.0),
              Waiting('c', 4, F2, since=5.0), Waiting('d', 9, F2, since=7.0),

@@ -130,6 +130,7 @@ def test_task_args_for_a_family_no_specialist_owns(tmp_path):
   _refused(c, tmp_path / 'run', "['juggle']", 'no specialist owns')
 
 
+@pytest.mark.quick
 def test_unknown_section_field():
   with pytest.raises(ConfigError, match=r"grpo.*\['clip'\].*clip_eps"):
     agent_config('tiny', grpo=dict(clip=0.1))

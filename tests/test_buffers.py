@@ -15,6 +15,7 @@ def _group(query: int, size: int, version: int = 0) -> Group:
   return Group(served, zeros, zeros, zeros)
 
 
+@pytest.mark.quick
 def test_batch_builder_cuts_whole_groups_and_counts_surplus():
   b = BatchBuilder(global_batch=8, micro_groups=2)
   for q, size in enumerate([2, 4, 4, 2]):  # 2 + 4 fit; 4 does not (surplus); then full

@@ -118,6 +118,7 @@ def _build(config, workdir, saved):
   return orch, spec, trainers, samplers
 
 
+@pytest.mark.quick
 def test_a_team_of_fake_parts_trains_publishes_and_resumes(tmp_path):
   config = two_agent_config(steps=2)
   config.checkpoint_every = 1

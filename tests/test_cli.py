@@ -73,6 +73,7 @@ def test_user_workflow_trains_from_the_command_line(tmp_path):
   assert owner == {'workflow': 'my_flows:Successor', 'experiment': 'exp.py'}
 
 
+@pytest.mark.quick
 def test_a_missing_workflow_module_names_the_path_searched(tmp_path):
   (tmp_path / 'exp.py').write_text(EXPERIMENT)
   out = _run(['-m', 'flexmarl.main', '--config=exp.py', '--workdir=run'], cwd=tmp_path)

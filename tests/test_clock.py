@@ -18,6 +18,7 @@ class _Flag:
     return self.event.is_set()
 
 
+@pytest.mark.quick
 def test_real_clock_wait_any_returns_the_done_ones_soon_after_they_finish():
   clock = RealClock()
   slow, fast = _Flag(), _Flag()
@@ -57,6 +58,7 @@ def test_sim_clock_moves_only_when_told():
     clock.advance(-1)
 
 
+@pytest.mark.quick
 def test_sim_clock_wait_any_jumps_to_the_earliest_finish():
   clock = SimClock(10.0)
   a, b, c = SimPending(clock, 14.0, 'a'), SimPending(clock, 12.0, 'b'), SimPending(clock, 12.0, 'c')

@@ -42,6 +42,7 @@ def test_planned_devices_are_numbered_node_after_node():
   assert [owner[d].address for d in range(5)] == ['10.0.0.1'] * 3 + ['10.0.0.2'] * 2
 
 
+@pytest.mark.quick
 def test_a_mesh_over_two_nodes_is_one_process_per_node_or_per_devices_per_process():
   a, b = _nodes()
   assert nodes_lib.slots('train:x', (2, 3, 4), [a, b], 0, False) == [

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # As a user's shell has it: no cache that JAX was given already (the test session's).
 ENV = {k: v for k, v in os.environ.items()
@@ -76,6 +78,7 @@ def _use(path: str, env=ENV) -> list:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.quick
 def test_no_cache_when_turned_off_and_a_cache_jax_was_given_is_kept(tmp_path):
   assert _use('') == [None, None]
   assert _use('~/x') == [os.path.expanduser('~/x')] * 2

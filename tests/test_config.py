@@ -22,6 +22,7 @@ def _fails(config, tmp_path, *needles):
   assert not workdir.exists(), 'nothing may be written before the config is checked'
 
 
+@pytest.mark.quick
 def test_micro_batch_must_divide_global_batch(tmp_path):
   c = hierarchical_assistant.get_config()
   c.agents.sorter.micro_batch = 32  # global 48

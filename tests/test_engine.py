@@ -79,6 +79,7 @@ def _queries(n):
   return [Query(f'q{i}', str(i % 10)) for i in range(n)]
 
 
+@pytest.mark.quick
 def test_requests_waiting_together_are_batched_and_recorded():
   engine, samplers = _engine()
   results = engine.run(Fanout(), _queries(5))

@@ -54,6 +54,7 @@ def _assert_row(got: StoredRow, want: Row) -> None:
   np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
 
+@pytest.mark.quick
 def test_round_trip_variable_length_rows_and_all_fields(tmp_path):
   rows = [_expected_row(s) for s in _batch_ids(0)[:6]]
   rows[1] = Row('q0_0_1', 3, [5], [], [], reward=1.5)  # empty response

@@ -17,6 +17,7 @@ from flexmarl.train.spec import GRPOConfig
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 
+@pytest.mark.quick
 def test_each_row_gets_the_bonus_share_of_its_groups_error():
   nan = math.nan
   groups = [np.array([1.0, 1, 1, 1]), np.array([0.0, 0, 0, 0]), np.array([1.0, 0, 0, 1]),

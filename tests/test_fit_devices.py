@@ -101,6 +101,7 @@ def test_default_experiment_fits_fewer_devices(tmp_path, cache, devices):
       np.testing.assert_array_equal(x, y, err_msg=agent)
 
 
+@pytest.mark.quick
 def test_strict_placement_refuses_too_few_devices(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=1')

@@ -16,6 +16,7 @@ from flexmarl.train.sizing import param_count, state_nbytes
 from flexmarl.workflows import build_workflow
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('engines, environ, given, jax_share, vllm_share, env', [
     (0, {}, None, 0.9, 0.0, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.9'}),
     (4, {}, None, 0.18, 0.18, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.18'}),

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
@@ -11,6 +12,7 @@ from flexmarl.train import grpo
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 
+@pytest.mark.quick
 def test_group_advantages_by_hand():
   adv = grpo.group_advantages(np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0]), 3)
   # group 1: mean 1/3, std sqrt(2)/3; group 2: mean 5/3, std sqrt(2)/3

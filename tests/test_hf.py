@@ -84,6 +84,7 @@ def _shardings(cfg, mesh_shape=(1, 2)):
   return sharding.param_shardings(hf.abstract_params(cfg)[1], mesh)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_logits_match_transformers_and_round_trip(case, tmp_path):
   kind, tied, rope_scaling = CASES[case]
@@ -126,6 +127,7 @@ def test_exported_folder_holds_tokenizer_with_specials(tmp_path):
     assert json.load(f)['eos_token_id'] == tok.eos_id
 
 
+@pytest.mark.quick
 def test_bad_checkpoints_are_refused_with_the_field(tmp_path):
   with pytest.raises(ValueError, match='no config.json'):
     hf.model_config_from_hf(str(tmp_path))

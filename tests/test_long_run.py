@@ -112,6 +112,7 @@ def test_a_skipped_step_leaves_params_and_adam_state_unchanged():
   assert _max_move(params, _host(t.params)) > 0.5 * LR
 
 
+@pytest.mark.quick
 def test_the_step_decision_by_hand():
   on, off = grpo.GRPOConfig(), grpo.GRPOConfig(skip_without_signal=False)
   never = grpo.GRPOConfig(unstick_after=0)

@@ -76,6 +76,7 @@ def _spec_model(config, vocab_size: int = 20) -> ModelConfig:
   return AgentSpec.from_config('a', config, vocab_size).model
 
 
+@pytest.mark.quick
 def test_first_forward_equals_base_and_merge_is_exact():
   base = ModelConfig(vocab_size=20)
   cfg = dataclasses.replace(base, lora=ADAPTERS)

@@ -169,6 +169,7 @@ def _spec(c, devices: int = 8):
   return build_team_spec(c, 20, list(range(devices)), list(TEAM))
 
 
+@pytest.mark.quick
 def test_placement_shows_who_shares_which_instance():
   c = _three(2, shared=True)
   c.rollout.devices = 'separate'

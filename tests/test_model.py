@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import pytest
 
 from flexmarl.models import sharding
 from flexmarl.models.transformer import Decoder, ModelConfig, count_params
@@ -35,6 +36,7 @@ def test_untied_and_biasless_variants_run():
   assert not hasattr(model.blocks[0].attn, 'q_bias')
 
 
+@pytest.mark.quick
 def test_causal_future_tokens_do_not_change_the_past():
   model = _model()
   a = np.array([[1, 5, 9, 3, 7, 2]], np.int32)

@@ -11,6 +11,7 @@ from test_team import two_agent_config
 IDS = list(range(8))
 
 
+@pytest.mark.quick
 def test_derived_separate_placement():
   p = pl.derive({'a': pl.AgentDemand((1, 1), instances=2), 'b': pl.AgentDemand((2, 1))},
                 'separate', IDS)

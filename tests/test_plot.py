@@ -55,6 +55,7 @@ def _check_png(path):
   assert len(colours) > 10, f'{path} is nearly blank ({len(colours)} colours)'
 
 
+@pytest.mark.quick
 def test_plot_workdir_writes_decodable_images(tmp_path):
   paths = plot.plot_workdir(_workdir(tmp_path))
   assert [os.path.basename(p) for p in paths] == ['learning.png', 'utilization.png',

@@ -94,6 +94,7 @@ def test_end_of_turn_stops_and_is_kept(tokenizer):
   assert cut.truncated and cut.text == '12'
 
 
+@pytest.mark.quick
 def test_messages_are_checked(tokenizer):
   for bad, word in (([], 'non-empty'), ([{'role': 'robot', 'content': 'x'}], 'role'),
                     ([{'role': 'user', 'content': 3}], 'content'),

@@ -141,6 +141,7 @@ def test_different_keys_draw_different_samples():
   assert len(set(seqs[:5] + seqs[6:])) >= 6  # a group's samples differ
 
 
+@pytest.mark.quick
 def test_untied_head_is_used():
   """Bug: an untied output head ignored in favour of the embedding."""
   model = transformer.Decoder(transformer.ModelConfig(vocab_size=VOCAB, tie_embeddings=False),

@@ -5,6 +5,7 @@ import pytest
 from flexmarl.data.records import parse_sample_id, sample_id
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('query_id, call, j', [('q0', 0, 0), ('q17', 3, 12),
                                                ('task_a_7', 10, 2), ('q_1_2', 1, 0)])
 def test_a_sample_id_reads_back_as_it_was_built(query_id, call, j):

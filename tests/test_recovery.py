@@ -41,6 +41,7 @@ def _restore(workdir):
   return restore_latest(cs, {n: STATE for n in cs})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('damage', ['truncated_array', 'deleted_meta'])
 def test_damaged_checkpoint_falls_back_and_says_so(tmp_path, damage):
   cs = _checkpoints(tmp_path)

@@ -179,6 +179,7 @@ def test_resume_matches_uninterrupted(straight, tmp_path):
   assert_same_run(straight, resumed, 6)
 
 
+@pytest.mark.quick
 def test_resume_without_the_store_says_it_drops_the_carried_rows(tmp_path):
   """Rows carried over a checkpoint live in the ExperienceStore: a workdir that lost its
   store does not resume silently with a different batch; it says it goes on without them."""

@@ -10,6 +10,7 @@ import threading
 import jax
 import numpy as np
 from flax import nnx
+import pytest
 
 from flexmarl.models import sharding, transformer
 from flexmarl.rollout import balancer as bal
@@ -223,6 +224,7 @@ class Fanout:
     return ep
 
 
+@pytest.mark.quick
 def test_router_balances_tokens_not_requests():
   """Bug: the router counting requests (or rows) instead of prompt + n × max_new_tokens.
 

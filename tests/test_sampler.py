@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import pytest
 
 from flexmarl.models import transformer
 from flexmarl.models.layout import left_pad
@@ -55,6 +56,7 @@ def test_cached_decode_logits_equal_full_forward():
     np.testing.assert_allclose(step_logits[:, 0], full[:, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.quick
 def test_sampler_logprobs_equal_model_log_softmax():
   _, graphdef, params, sampler = _setup()
   sp = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=5)

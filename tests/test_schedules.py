@@ -79,6 +79,7 @@ def test_the_config_exercises_carried_rows_surplus_and_moves(runs):
   assert sum(l['rebalances'] for l in lines if l['agent'] == 'team') > 0
 
 
+@pytest.mark.quick
 def test_separate_rollout_devices_serve_the_published_weights(tmp_path):
   """With rollout.devices=separate, each sampler holds its own copy of its trainer's
   weights, on devices no trainer uses, and gets the new ones at every update."""

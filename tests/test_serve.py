@@ -168,6 +168,7 @@ def test_decode_never_drops_a_token_mid_answer():
   assert TOK.decode(ids) == f'1{BOS}2'
 
 
+@pytest.mark.quick
 def test_finish_marks_truncation_and_cuts_at_stop_strings():
   ids = lambda text: np.array(TOK.encode(text)[1:], np.int32)
   ended = np.append(ids('12'), TOK.eos_id)

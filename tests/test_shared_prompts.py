@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import pytest
 
 from flexmarl.models import transformer
 from flexmarl.models.layout import distinct_prompts, left_pad
@@ -19,6 +20,7 @@ VOCAB, PAD, EOS, P = 24, 0, 2, 6
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 8]]
 
 
+@pytest.mark.quick
 def test_distinct_prompts_maps_rows_to_each_prompt_once():
   ids, mask = left_pad([[1, 2], [3], [1, 2], [1, 2], [4, 5, 6], []], 4, PAD)
   prompts, prompt_mask, of_row = distinct_prompts(ids, mask, rows=5)

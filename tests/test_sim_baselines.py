@@ -18,6 +18,7 @@ def _colocated():
   return setup
 
 
+@pytest.mark.quick
 def test_colocated_loads_and_offloads_around_training():
   # Rollout 6 s, then both agents at once, each: load 0.3, its update, offload 0.2.
   # a: 0.3 + 2.9 + 0.2 = 3.4; b: 0.3 + 6.9 + 0.2 = 7.4   ->   6 + 7.4 = 13.4

@@ -22,6 +22,7 @@ def test_parameter_counts_equal_the_published_checkpoints():
     model('qwen-7b')
 
 
+@pytest.mark.quick
 def test_generation_time_by_hand():
   rates = costs.DecodeRates(step_s=0.02, token_s=0.001, prefill_token_s=1e-4)
   # 100 decode steps (longest response) * 20 ms + 160 tokens * 1 ms + 300 prompt tokens * 0.1 ms

@@ -17,6 +17,7 @@ def _keys(n, version=0):
   return np.stack([sample_key(0, 'a', version, f'q{i}') for i in range(n)])
 
 
+@pytest.mark.quick
 def test_batches_queue_on_the_instance_and_finish_at_the_computed_times():
   clock = SimClock()
   rec = SpanRecorder(clock)

@@ -125,6 +125,7 @@ def _run(setup, schedule):
   return lines, orch.agents
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('schedule', sorted(EXPECTED))
 def test_three_agents_on_two_meshes_step_times_by_hand(schedule):
   expected = EXPECTED[schedule]

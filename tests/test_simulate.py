@@ -45,6 +45,7 @@ def _setup() -> ml_collections.ConfigDict:
       agents=dict(a=agent(10, 0.05), b=agent(20, 0.05))))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('variant', sorted(EXPECTED))
 def test_step_time_is_the_one_computed_by_hand(variant):
   r = simulate(_setup(), variant)

@@ -89,6 +89,7 @@ def test_recorder_is_thread_safe(tmp_path):
     rec.add('train:a', sp.SWAP_IN, 2.0, 1.0)
 
 
+@pytest.mark.quick
 def test_busy_plus_idle_is_wall_and_overlaps_count_once():
   spans = [Span('rollout:a/0', sp.GENERATE, 0, 2), Span('rollout:a/0', sp.GENERATE, 1, 3),
            Span('rollout:a/0', sp.GENERATE, 5, 6), Span('rollout:a/0', sp.WAIT, 3, 5),

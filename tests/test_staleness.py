@@ -40,6 +40,7 @@ def run(tmp_path_factory):
   return workdir, seen
 
 
+@pytest.mark.quick
 def test_no_trained_row_is_older_than_the_bound(run):
   _, seen = run
   lags = [version - v for _, version, rows in seen for _, v in rows]

@@ -5,6 +5,7 @@ import functools
 import os
 
 import ml_collections
+import pytest
 
 from flexmarl import orchestrator
 from flexmarl.config import agent_config, rollout_config
@@ -61,6 +62,7 @@ def test_a_specialist_the_router_never_calls_is_named_with_its_router(tmp_path, 
   assert not any(l['updated'] for l in lines if l['agent'] == 'idle')
 
 
+@pytest.mark.quick
 def test_the_warning_names_the_agent_called_before_it_when_it_was_fed_before():
   watch = StarvationWatch(['router', 'adder', 'sorter'], max_step_queries=96, patience=2)
   watch.served({'router': 0, 'adder': 1})

@@ -86,6 +86,7 @@ def test_settled_ids_cost_a_few_bytes_a_row():
   assert held.find(['q0_1_0', 'nope_0_0'], 0, 0, lambda lo, hi: []) == {}  # only on disk
 
 
+@pytest.mark.quick
 def test_retention_keeps_the_disk_bounded_and_the_kept_rows_readable(tmp_path):
   store = ExperienceStore.open(tmp_path, [A])
   sizes = []

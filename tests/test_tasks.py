@@ -20,6 +20,7 @@ def test_no_constant_answer_reaches_0_3_exact_match(family, args):
   assert max(answers.values()) / 4000 <= 0.3, answers.most_common(3)
 
 
+@pytest.mark.quick
 def test_answers_are_right():
   rng = np.random.default_rng(1)
   for _ in range(50):

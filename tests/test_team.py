@@ -52,6 +52,7 @@ def test_rewards_rise_for_both_agents(run):
     assert np.mean(r[-8:]) > np.mean(r[:8]) + 0.2, (agent, r)
 
 
+@pytest.mark.quick
 def test_workdir_contract(run):
   workdir, summary = run
   lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))

@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import team_of_three
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=8')
 
 
+@pytest.mark.quick
 def test_best_constant_accuracies_of_the_docstring():
   assert team_of_three.best_constant_accuracy() == {
       'planner': 1 / 3, 'worker': 3 / 15, 'judge': 21 / 75}

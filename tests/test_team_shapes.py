@@ -89,6 +89,7 @@ def _router_truth(workflow) -> Callable[[Query], Answers]:
   return answers
 
 
+@pytest.mark.quick
 def test_the_docstring_examples():
   """The worked examples in the workflows' docstrings, by hand."""
   owners: dict[str, str] = {}

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from flexmarl.tokenizer import build_char_tokenizer, load_tokenizer
 
 
+@pytest.mark.quick
 def test_char_round_trip_and_specials():
   tok = build_char_tokenizer()
   ids = tok.encode('3+4=abc')

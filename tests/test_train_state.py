@@ -72,6 +72,7 @@ def _assert_same(a, b):
     assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
+@pytest.mark.quick
 def test_state_moves_mesh_host_storage_and_reshards(tmp_path):
   devices = jax.devices()
   t = _trainer(sharding.make_mesh(devices[:4], (2, 2), ('fsdp', 'tensor')))

@@ -225,6 +225,7 @@ class _GatedTrainer:
     pass
 
 
+@pytest.mark.quick
 def test_release_runs_off_the_caller_and_the_agent_waits_for_it():
   """One mesh, agents a then b: b's bind does not wait for a's release (run returns
   while it is blocked), a's next bind does, and so do `wait` and `close`."""

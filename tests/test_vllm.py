@@ -220,6 +220,7 @@ def test_training_with_vllm_rollout_survives_a_killed_engine(tmp_path):
       assert len(ids) == len(set(ids)) == per_query * orch.next_query, agent
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('tied', [True, False])
 def test_the_in_place_layout_is_vllms_fusion_of_the_hf_export(tied):
   """What `install` copies into vLLM equals what vLLM's loader builds from our HF export:

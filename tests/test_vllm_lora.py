@@ -166,6 +166,7 @@ def test_a_publish_reloads_one_agents_adapter_only(shared):
 TOP_RANK = max(vllm_check.lora_ranks())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize('change, needles', [
     (dict(lora=dict(rank=8), head_dim=32, heads=2), None),  # served: accepted
     (dict(lora=dict(rank=TOP_RANK + 1), head_dim=32, heads=2),
