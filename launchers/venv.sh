@@ -58,9 +58,9 @@ step_real() {
     .venv/bin/pip install -q "${EXTRA_PIP[@]}" --no-deps -r requirements-real-nodeps.txt
 }
 
-files_of() {  # the requirement files a step installs
+files_of() {  # the requirement files a step installs (FlexMARL itself goes in as a link)
   case $1 in
-    base) echo requirements.txt setup.py ;;
+    base) echo requirements.txt ;;
     test) echo requirements-test.txt ;;
     vllm) if [ "$vllm_kind" = gpu ]; then echo requirements-vllm-gpu.txt; else echo requirements-vllm.txt; fi ;;
     real) echo requirements-real.txt requirements-real-nodeps.txt ;;
@@ -115,7 +115,10 @@ for step in base test vllm real; do
   [[ " ${want[*]} " == *" $step "* ]] || continue
   done_already "$step" && continue
   files=$(files_of "$step")
-  echo "Setting up .venv: $step (${files// /, })..." >&2
+  case $step in
+    base) echo "Setting up .venv: base (requirements.txt, FlexMARL; about a minute)..." >&2 ;;
+    *) echo "Setting up .venv: $step (${files// /, })..." >&2 ;;
+  esac
   forget_from "$step"
   if [[ " ${optional[*]:-} " == *" $step "* ]]; then
     log=.venv/.flexmarl-$step.log
