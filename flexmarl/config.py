@@ -65,6 +65,10 @@ class TeamSpec:
   # eval_every steps and after the last; 0: none. Needs a workflow with eval_queries().
   eval_every: int = 0
 
+  def evaluates_after(self, step: int) -> bool:
+    """Whether held-out evaluation runs after `step` (0: before the first step)."""
+    return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
+
 
 def parse_schedule(value: str) -> tuple[str, int]:
   """`config.schedule` → (schedule, max staleness): 'flexmarl' → ('flexmarl', 0),

@@ -61,9 +61,14 @@ def run_held_out(engine, workflow) -> list[EpisodeResult]:
   return engine.evaluation_engine().run(workflow, list(workflow.eval_queries()))
 
 
-def evaluate(engine, workflow) -> dict[str, dict[str, float]]:
-  """`eval_lines` of the held-out queries' results (see `run_held_out`)."""
-  return eval_lines(run_held_out(engine, workflow))
+def evaluate(engine, workflow, clock=None) -> dict[str, dict[str, float]]:
+  """`eval_lines` of the held-out queries' results (see `run_held_out`); with a `clock`,
+  the team's line says how long the evaluation took (`eval_s`)."""
+  start = clock.now() if clock else 0.0
+  lines = eval_lines(run_held_out(engine, workflow))
+  if clock:
+    lines[TEAM]['eval_s'] = clock.now() - start
+  return lines
 
 
 def answer_texts(results: Sequence[EpisodeResult], tokenizers: Mapping

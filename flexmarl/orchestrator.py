@@ -295,7 +295,7 @@ class JointOrchestrator:
     stalls = StallWatch()
     t0 = self.clock.now()
     try:
-      if self.spec.eval_every and not start_step:
+      if not start_step and self.spec.evaluates_after(0):
         self.evaluate(writer, log)  # the starting weights: the "before" figure
       with StopRequest() as stop:
         while self.step < self.spec.steps and not stop.requested:
@@ -317,8 +317,7 @@ class JointOrchestrator:
             log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
             log(format_step(self.step, self.spec.steps, lines))
-          if self.spec.eval_every and (self.step % self.spec.eval_every == 0
-                                       or self.step == self.spec.steps):
+          if self.spec.evaluates_after(self.step):
             self.evaluate(writer, log)
           if (self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
               or stop.requested):
@@ -332,18 +331,14 @@ class JointOrchestrator:
     return write_summary(self.workdir, self.clock.now() - t0,
                          utilization.run_summary(spans.load_spans(trace)), steps=self.step)
 
-  def evaluate(self, writer: MetricsWriter, log=print) -> dict[str, dict[str, float]]:
-    """Held-out evaluation of the weights published now (`flexmarl.evaluate`), written as
-    metrics lines of the current step. A rollout begun early for the next step is
-    abandoned first (its queries are served again, so the run's samples do not change)."""
+  def evaluate(self, writer: MetricsWriter, log=print) -> None:
+    """Held-out evaluation (`flexmarl.held_out`) of the published weights, as metrics lines
+    of this step; a rollout begun early is abandoned first (its queries are served again)."""
     self._drop_started()
-    start = self.clock.now()
-    lines = evaluate(self.engine, self.workflow)
-    lines[TEAM]['eval_s'] = self.clock.now() - start
+    lines = evaluate(self.engine, self.workflow, self.clock)
     for agent, values in lines.items():
       writer.write(self.step, agent, values)
     log(format_eval(self.step, lines))
-    return lines
 
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store; then run
