@@ -64,9 +64,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   if 'vllm' in variants:
     config.rollout.backend = 'vllm'
     config.rollout.vllm = dict(dtype='float32', max_model_len=256, kv_cache_bytes=512 << 20)
-  # 16: room for a base model's prose answer ("The GCD of 20 and 4 is 4.") to finish; at 10
-  # the gcd specialist's answers were cut before the number (RESULTS.md).
-  new_tokens = 3 if local else 16
+  # 10 new tokens: 16, room for a prose answer to finish, learned less on both
+  # specialists (RESULTS.md).
+  new_tokens = 3 if local else 10
 
   def agent(global_batch: int) -> ml_collections.ConfigDict:
     a = agent_config('tiny', group_size=4, global_batch=global_batch,
