@@ -332,12 +332,10 @@ class JointOrchestrator:
                          utilization.run_summary(spans.load_spans(trace)), steps=self.step)
 
   def evaluate(self, writer: MetricsWriter, log=print) -> None:
-    """Held-out evaluation (`flexmarl.held_out`) of the published weights, as metrics lines
-    of this step; a rollout begun early is abandoned first (its queries are served again)."""
+    """Held-out evaluation of the published weights (`held_out`); an early rollout is dropped."""
     self._drop_started()
     lines = evaluate(self.engine, self.workflow, self.clock)
-    for agent, values in lines.items():
-      writer.write(self.step, agent, values)
+    writer.write_lines(self.step, lines)
     log(format_eval(self.step, lines))
 
   def close(self) -> None:

@@ -57,6 +57,11 @@ class MetricsWriter:
       if isinstance(value, (int, float)) and math.isfinite(value):
         self._tb.add_scalar(f'{agent}/{key}', value, step)
 
+  def write_lines(self, step: int, lines: Mapping[str, Mapping[str, float]]) -> None:
+    """One line per agent (and 'team') of `step`."""
+    for agent, values in lines.items():
+      self.write(step, agent, values)
+
   def close(self) -> None:
     self._file.close()
     self._tb.close()
