@@ -19,8 +19,8 @@ from flexmarl import compile_cache
 from flexmarl import placement as placement_lib
 from flexmarl import placement_fit
 from flexmarl.agent_spec import AgentSpec, agent_config
-from flexmarl.cluster.spec import ClusterSpec, cluster_config
-from flexmarl.data.records import parse_sample_id
+from flexmarl.cluster_spec import ClusterSpec, cluster_config
+from flexmarl.sample_id import parse_sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.rollout import vllm_check
 from flexmarl.rollout.spec import RolloutSpec, engine_config, rollout_config

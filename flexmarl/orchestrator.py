@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from flexmarl import memory
 from flexmarl.clock import Clock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
@@ -44,7 +45,6 @@ from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.stream import RolloutStream
 from flexmarl.schedules import Lines, Schedule, StepResult
 from flexmarl.team import Agent
-from flexmarl.train import sizing
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
@@ -281,7 +281,7 @@ class JointOrchestrator:
     """Train until `spec.steps`, resuming from the workdir's checkpoints. The first
     Ctrl-C stops at the end of the current step, saved; a rerun resumes."""
     log(self.spec.placement.describe())
-    log(sizing.describe_memory(self.spec.agents, self.spec.placement, self.spec.seed))
+    log(memory.describe_memory(self.spec.agents, self.spec.placement, self.spec.seed))
     for line in self.journal.store.recovered:
       log(f'warning: {line}')
     start_step = self.restore(log)

@@ -37,7 +37,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   `config.cluster.backend='ray'` the team's parts start as Ray workers (flexmarl.cluster)
   and this process only drives them.
   """
-  from flexmarl.cluster.spec import ClusterSpec
+  from flexmarl.cluster_spec import ClusterSpec
   quiet_logging()
   cluster_spec = ClusterSpec.from_config(config.get('cluster'))
   if cluster_spec.backend == 'ray' and not _jax_started():

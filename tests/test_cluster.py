@@ -16,7 +16,7 @@ import pytest
 
 from flexmarl import placement as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster.spec import ClusterSpec, cluster_config, parse_cores
+from flexmarl.cluster_spec import ClusterSpec, cluster_config, parse_cores
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from flexmarl.data import records
+from flexmarl import sample_id as sample_ids
 from flexmarl.store.experience_store import ExperienceStore, Row, StoredRow
 
 _AGENT = 'solver'
@@ -37,11 +37,11 @@ def _expected_reward(sample_id: str) -> float:
 
 
 def _batch_ids(batch: int) -> list[str]:
-  return [records.sample_id(f'q{batch}', batch % 3, j) for j in range(_BATCH_ROWS)]
+  return [sample_ids.sample_id(f'q{batch}', batch % 3, j) for j in range(_BATCH_ROWS)]
 
 
 def _batch_of(sample_id: str) -> int:
-  return int(records.parse_sample_id(sample_id).query_id[1:])
+  return int(sample_ids.parse_sample_id(sample_id).query_id[1:])
 
 
 def _assert_row(got: StoredRow, want: Row) -> None:

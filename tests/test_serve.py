@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from flexmarl.config import agent_config, rollout_config
-from flexmarl.data.records import parse_sample_id
+from flexmarl.sample_id import parse_sample_id
 from flexmarl.export import export
 from flexmarl.models import hf, transformer
 from flexmarl.rollout.engine import Answer, RolloutEngine, finish

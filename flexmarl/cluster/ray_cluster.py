@@ -8,7 +8,7 @@ from typing import Any
 
 from flexmarl import placement as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster.spec import ClusterSpec
+from flexmarl.cluster_spec import ClusterSpec
 
 
 class Cluster:

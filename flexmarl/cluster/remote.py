@@ -22,7 +22,7 @@ import numpy as np
 from flexmarl import placement as placement_lib
 from flexmarl.build import Factories, MakeSampler
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster.spec import ClusterSpec
+from flexmarl.cluster_spec import ClusterSpec
 from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank, WeightsMissing
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Stats, Weights

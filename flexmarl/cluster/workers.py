@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl import compile_cache
-from flexmarl.cluster.spec import parse_cores
+from flexmarl.cluster_spec import parse_cores
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Weights
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams

@@ -1,53 +1,18 @@
-"""The records that cross parts: what the rollout serves, what one query's run returns,
-and the id of one sampled response.
+"""The records that cross parts: what the rollout serves and what one query's run returns.
 
 The rollout engine produces them, `data/` turns them into batches, the journal turns
 them into store rows and back; all of them import these definitions from here, so no
-part depends on another just to read its output.
-
-A sample id names one sampled response: `{query_id}_{call}_{j}`, where `call` is the
-index of the `generate` call within its query and `j` the sample's index within that
-call's group. Build it with `sample_id` and read it with `parse_sample_id`; nothing else
-writes or splits the format. The id is the store's row key and the seed of the sample's
-PRNG key, so it must never change for a given (query, call, sample).
+part depends on another just to read its output. Each sampled response in them is
+named by its sample id (`flexmarl/sample_id.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import NamedTuple
 
 import numpy as np
 
 from flexmarl.workflows.base import Episode, Query
-
-# The query id may itself hold underscores: the last two fields are the call and sample.
-_SAMPLE_ID = re.compile(r'(?P<query_id>.+)_(?P<call>\d+)_(?P<j>\d+)')
-
-
-class SampleIdParts(NamedTuple):
-  """A sample id read back: its query, the call within that query, the sample within
-  that call's group."""
-
-  query_id: str
-  call: int
-  j: int
-
-
-def sample_id(query_id: str, call: int, j: int) -> str:
-  """The id of sample `j` of the `call`-th generate call of query `query_id`."""
-  return f'{query_id}_{call}_{j}'
-
-
-def parse_sample_id(sid: str) -> SampleIdParts:
-  """The inverse of `sample_id`; raises ValueError for anything it could not have built."""
-  match = _SAMPLE_ID.fullmatch(sid) if isinstance(sid, str) else None
-  if match is None:
-    raise ValueError(f"sample_id={sid!r} is not of the form '{{query_id}}_{{call}}_{{j}}' "
-                     '(call and j whole numbers); build it with '
-                     'flexmarl.data.records.sample_id(query_id, call, j)')
-  return SampleIdParts(match['query_id'], int(match['call']), int(match['j']))
 
 
 @dataclasses.dataclass

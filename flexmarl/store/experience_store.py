@@ -1,6 +1,6 @@
 """ExperienceStore: one TensorStore table per agent, with atomic, crash-safe appends.
 
-A row is one sampled response: `sample_id` (`{query_id}_{call}_{j}`, see data/records.py), the
+A row is one sampled response: `sample_id` (`{query_id}_{call}_{j}`, see sample_id.py), the
 `policy_version` that sampled it, prompt and response token ids, the behaviour logprob of every
 response token, a `reward` and an `advantage` (often filled in later, e.g. by a downstream agent),
 a ready flag per field (tokens and logprobs are ready at insert; reward and advantage when given

@@ -31,7 +31,7 @@ class Query:
 class Completion:
   """One sampled response, as the workflow sees it."""
 
-  sample_id: str  # {query_id}_{call}_{j} (flexmarl.data.records.sample_id)
+  sample_id: str  # {query_id}_{call}_{j} (flexmarl.sample_id.sample_id)
   agent: str
   text: str
   version: int  # the policy version that sampled it

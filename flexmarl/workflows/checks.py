@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.data.records import sample_id
+from flexmarl.sample_id import sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.tokenizer import Prompt, check_messages
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow, reward_value

@@ -1,0 +1,69 @@
+"""What a team holds in memory, from shapes alone: the report a run logs before it starts
+(per agent its state and base, per device group the most it holds). Nothing is allocated."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+
+from flexmarl.agent_spec import AgentSpec
+from flexmarl.models.lora import LoRAConfig
+from flexmarl.placement import Placement
+from flexmarl.train import bases, sizing
+
+
+def _mib(n: int) -> str:
+  return f'{n / 2**20:.1f} MiB'
+
+
+def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement,
+                    team_seed: int) -> str:
+  """What the team holds, from shapes: per agent its state (what moves, swaps and is
+  checkpointed; a LoRA agent's adapters) and its base (LoRA agents of one base share
+  one copy per device group); per device group the most it holds: one copy of each
+  base used there, the states of the agents training there (a training-pool mesh: the
+  largest, agents take turns) and the weights of full agents served there."""
+  state = {n: sizing.state_nbytes(a.model, a.optimizer, a.grpo) for n, a in agents.items()}
+  weights = {n: sizing.param_nbytes(dataclasses.replace(a.model, lora=LoRAConfig()))
+             for n, a in agents.items()}
+  keys = {n: bases.base_key(a.model, a.checkpoint, bases.base_seed(
+      bases.agent_seed(team_seed, i), a.base_seed))
+          for i, (n, a) in enumerate(agents.items()) if a.model.lora.rank}
+  sharers = collections.defaultdict(list)
+  for n, key in keys.items():
+    sharers[key].append(n)
+  lines = ['memory (state: what moves and is checkpointed; base: held apart, one copy per '
+           'device group):']
+  for n, a in agents.items():
+    base = (f'  base {keys[n][1]} {_mib(weights[n])} shared by {", ".join(sharers[keys[n]])}'
+            if n in keys else '  (full model)')
+    lines.append(f'  {n:<12} state {_mib(state[n])}{base}')
+  groups: dict[tuple, dict] = collections.defaultdict(
+      lambda: {'bases': {}, 'states': {}, 'weights': {}})
+  pooled = [n for n, m in placement.train.items() if not m.devices]
+  for mesh in placement.pool:
+    g = groups[tuple(mesh.devices)]
+    g['bases'].update({keys[n]: weights[n] for n in pooled if n in keys})
+    if pooled:
+      g['states']['one pool agent at a time'] = max(state[n] for n in pooled)
+  for n in agents:
+    train = tuple(placement.train[n].devices)
+    if train:
+      groups[train]['states'][n] = state[n]
+      if n in keys:
+        groups[train]['bases'][keys[n]] = weights[n]
+    for inst in placement.rollout[n]:
+      g = groups[tuple(inst.devices)]
+      if n in keys:
+        g['bases'][keys[n]] = weights[n]
+      elif tuple(inst.devices) != train:
+        g['weights'][n] = weights[n]
+  lines.append('per device group:')
+  for devices, g in groups.items():
+    total = sum(g['bases'].values()) + sum(g['states'].values()) + sum(g['weights'].values())
+    parts = [f'{len(g["bases"])} base(s) {_mib(sum(g["bases"].values()))}'] if g['bases'] else []
+    parts += [f'state {k} {_mib(v)}' for k, v in g['states'].items()]
+    parts += [f'weights {k} {_mib(v)}' for k, v in g['weights'].items()]
+    lines.append(f'  {list(devices)}  {_mib(total)}: {", ".join(parts)}')
+  return '\n'.join(lines)
