@@ -20,11 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flexmarl import placement as placement_lib
+from flexmarl.agent import Agent
 from flexmarl.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.journal import Journal
 from flexmarl.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
+from flexmarl.metrics.timeline import Timeline
 from flexmarl.models import hf, peft, sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
@@ -36,9 +38,8 @@ from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
 from flexmarl.rollout.spec import engine_config
 from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.team import Agent, Timeline
 from flexmarl.tokenizer import TextTokenizer, per_agent
-from flexmarl.train import bases
+from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.step import StepCache
@@ -116,7 +117,8 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
                         retarget=factories.retarget(name, a))
     agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
                          prompt_len=spec.max_prompt_len, pad_id=pad_ids[name], clock=clock,
-                         recorder=recorder, timeline=factories.timeline(name), engine=engine)
+                         recorder=recorder, timeline=factories.timeline(name),
+                         training_engine=engine)
   return agents
 
 
@@ -129,8 +131,8 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
   `team_bases` (this process's). The one recipe of a trainer, in this process or in a
   remote trainer group."""
   if a.model.lora.rank:  # adapters over the base shared by the agents of that base
-    base = bases.shared({} if team_bases is None else team_bases, a.model, a.checkpoint,
-                        bases.base_seed(seed, a.base_seed))
+    base = shared_base.shared({} if team_bases is None else team_bases, a.model, a.checkpoint,
+                        shared_base.base_seed(seed, a.base_seed))
     return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
                         init_params=peft.load_peft(a.adapter, a.model) if a.adapter else None,
                         banned_ids=banned_ids, base=base)
@@ -191,7 +193,7 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
     where = a.layout if mesh is None else sharding.make_mesh(  # None: a pool trainer
         [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
-    return agent_trainer(name, a, bases.agent_seed(spec.seed, index), where,
+    return agent_trainer(name, a, shared_base.agent_seed(spec.seed, index), where,
                          tokenizers[name].banned_ids, steps, team_bases)
 
   def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:

@@ -2,10 +2,11 @@
 
 Experiments are ml_collections ConfigDicts (`experiments/*.py: get_config()`). Each
 part's spec lives with its part and checks its own fields (flexmarl.agent_spec,
-flexmarl.rollout.spec, flexmarl.train.spec); this module composes them, checks what
-spans parts and places the team. `build_team_spec` checks every field before anything
-is compiled or written and raises `ConfigError` naming the field, the bad value and
-the fix.
+flexmarl.rollout.spec, flexmarl.train.spec); this module composes them and checks what
+spans parts (`team_spec`: no devices needed), then places the team on the devices there
+are (`place_team`); `build_team_spec` does both. Every field is checked before anything
+is compiled or written; a bad one raises `ConfigError` naming the field, the bad value
+and the fix.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from flexmarl import placement as placement_lib
 from flexmarl import placement_fit
 from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.cluster_spec import ClusterSpec, cluster_config
-from flexmarl.sample_id import parse_sample_id
 from flexmarl.errors import ConfigError
 from flexmarl.rollout import vllm_check
 from flexmarl.rollout.spec import RolloutSpec, engine_config, rollout_config
-from flexmarl.train import bases, sizing
+from flexmarl.sample_id import parse_sample_id
+from flexmarl.train import shared_base, sizing
 from flexmarl.train.spec import TrainingSpec, training_config
 from flexmarl.validate import check_finite, fail, whole_number
 
@@ -36,7 +37,7 @@ PLACEMENT_POLICIES = ('fit', 'strict')
 
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
            'agent_config', 'rollout_config', 'training_config', 'cluster_config',
-           'build_team_spec', 'parse_schedule']
+           'build_team_spec', 'team_spec', 'place_team', 'parse_schedule']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,6 @@ class TeamSpec:
   tokenizer: str
   agents: Mapping[str, AgentSpec]
   rollout: RolloutSpec
-  placement: placement_lib.Placement
   checkpoint_every: int
   training: TrainingSpec = TrainingSpec()
   # trace.json keeps the spans of the last trace_steps to 1.5 × trace_steps steps
@@ -64,6 +64,10 @@ class TeamSpec:
   # Held-out evaluation (greedy pass@1, flexmarl.evaluate) before the first step, every
   # eval_every steps and after the last; 0: none. Needs a workflow with eval_queries().
   eval_every: int = 0
+  # 'fit' or 'strict' (PLACEMENT_POLICIES); the placement itself needs the devices, so
+  # `team_spec` leaves it None and `place_team` sets it.
+  placement_policy: str = 'fit'
+  placement: placement_lib.Placement | None = None
 
   def evaluates_after(self, step: int) -> bool:
     """Whether held-out evaluation runs after `step` (0: before the first step)."""
@@ -103,19 +107,15 @@ def _vocab(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int
           else dict.fromkeys(config.agents, vocab_size))
 
 
-def vllm_demand(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int]
-                ) -> tuple[int, float | None]:
+def vllm_demand(spec: TeamSpec) -> tuple[int, float | None]:
   """The vLLM engines a run starts and the `rollout.vllm.gpu_memory_utilization` its
-  config sets (None: unset), checked; (0, None) with the embedded sampler. Needs no
-  devices: `run.build` plans GPU memory from it before JAX starts."""
-  rollout = RolloutSpec.from_config(config.rollout)
-  if rollout.backend != 'vllm':
+  config sets (None: unset); (0, None) with the embedded sampler. Needs no devices:
+  `run.build` plans GPU memory from it before JAX starts."""
+  if spec.rollout.backend != 'vllm':
     return 0, None
-  vocab = _vocab(config, vocab_size)
-  served_with = {n for group in rollout.adapter_groups for n in group[1:]}  # group's engines
-  engines = sum(agent_spec(config, n, vocab[n]).instances for n in config.agents
-                if n not in served_with)
-  return engines, rollout.vllm.get('gpu_memory_utilization')
+  served_with = {n for group in spec.rollout.adapter_groups for n in group[1:]}
+  engines = sum(a.instances for n, a in spec.agents.items() if n not in served_with)
+  return engines, spec.rollout.vllm.get('gpu_memory_utilization')
 
 
 def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
@@ -174,8 +174,8 @@ def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[st
       seen[n] = i
     members = list(group)  # the first is the host
     first = agents[members[0]]
-    key = lambda n: bases.base_key(agents[n].model, agents[n].checkpoint, bases.base_seed(
-        bases.agent_seed(seed, order.index(n)), agents[n].base_seed))
+    key = lambda n: shared_base.base_key(agents[n].model, agents[n].checkpoint, shared_base.base_seed(
+        shared_base.agent_seed(seed, order.index(n)), agents[n].base_seed))
     for n in members:
       a = agents[n]
       if not a.model.lora.rank:
@@ -217,8 +217,15 @@ def _state_bytes(agents: Mapping[str, AgentSpec]) -> dict[str, int]:
 
 def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int],
                     device_ids: Sequence[int], workflow_agents: Sequence[str]) -> TeamSpec:
-  """Check the whole config and place the agents on `device_ids`; raise ConfigError on
-  the first bad field. `vocab_size`: the tokenizer's, or each agent's tokenizer's."""
+  """`team_spec`, then `place_team` on `device_ids`: the whole config checked and placed."""
+  return place_team(team_spec(config, vocab_size, workflow_agents), device_ids)
+
+
+def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int],
+              workflow_agents: Sequence[str]) -> TeamSpec:
+  """Check every field of the config, each section read once, and no device needed;
+  raise ConfigError on the first bad field. `vocab_size`: the tokenizer's, or each
+  agent's tokenizer's. The spec's placement is None until `place_team`."""
   check_finite(config)
   schedule, max_staleness = parse_schedule(config.schedule)
   whole_number('seed', config.seed, 0)
@@ -234,7 +241,7 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   vocab = _vocab(config, vocab_size)
   agents = {n: AgentSpec.from_config(n, a, vocab[n]) for n, a in config.agents.items()}
   rollout = RolloutSpec.from_config(config.rollout)
-  hosts = _adapter_hosts(agents, rollout.adapter_groups, config.seed)
+  _adapter_hosts(agents, rollout.adapter_groups, config.seed)
   if rollout.backend == 'vllm':
     _check_vllm_serves(agents, rollout, config.max_prompt_len)
   training = TrainingSpec.from_config(config.get('training'))
@@ -243,18 +250,6 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   if policy not in PLACEMENT_POLICIES:
     fail('placement', policy, "choose 'fit' (fit the team to the devices there are) or "
          "'strict' (refuse a config that needs more devices than there are).")
-  placement = placement_fit.fit(
-      {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
-                                    a.instance_devices, hosts.get(n, ''))
-       for n, a in agents.items()},
-      rollout.devices, device_ids, training.pool_devices, list(training.mesh_shapes),
-      strict=policy == 'strict', state_bytes=lambda: _state_bytes(agents),
-      no_pool=('agents that start from model.checkpoint cannot share a training pool yet'
-               if any(a.checkpoint for a in agents.values()) else ''))
-  if placement.fitted:  # the spec says what runs: the fitted fields
-    rollout = dataclasses.replace(rollout, devices=placement.mode)
-    training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(
-        'training.pool_devices', training.pool_devices))
   whole_number('checkpoint_every', config.checkpoint_every, 1)
   trace_steps = whole_number('trace_steps', config.get('trace_steps', TeamSpec.trace_steps), 0,
                              '0 keeps every step')
@@ -270,11 +265,6 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
          f"{compile_cache.DEFAULT_DIR!r}), or '' to compile every run afresh.")
   eval_every = whole_number('eval_every', config.get('eval_every', 0), 0, '0: no evaluation')
   cluster = ClusterSpec.from_config(config.get('cluster'))
-  if cluster.backend == 'ray' and placement.pool:
-    fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
-         'meshes shared by the agents); under Ray every agent trains on a mesh of its own: give '
-         'the run enough devices (config.cluster.devices), set config.training.pool_devices=0, '
-         'or use --config.cluster.backend=local.')
   if cluster.backend == 'ray' and rollout.adapter_groups:
     fail('rollout.adapter_groups', [list(g) for g in rollout.adapter_groups],
          'shared adapter instances run in one process only; under Ray every agent has '
@@ -282,9 +272,35 @@ def build_team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping
   return TeamSpec(seed=config.seed, steps=config.steps, schedule=schedule,
                   max_staleness=max_staleness, max_prompt_len=config.max_prompt_len,
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
-                  placement=placement, checkpoint_every=config.checkpoint_every,
-                  training=training, trace_steps=trace_steps, store_keep_steps=keep,
-                  cluster=cluster, compile_cache_dir=cache_dir, eval_every=eval_every)
+                  checkpoint_every=config.checkpoint_every, training=training,
+                  trace_steps=trace_steps, store_keep_steps=keep, cluster=cluster,
+                  compile_cache_dir=cache_dir, eval_every=eval_every, placement_policy=policy)
+
+
+def place_team(spec: TeamSpec, device_ids: Sequence[int]) -> TeamSpec:
+  """The spec with its agents placed on `device_ids` (placement_fit.fit): fitted to fewer
+  devices under the 'fit' policy, refused under 'strict'; a fitted spec's rollout and
+  training fields say what runs."""
+  agents, rollout, training = spec.agents, spec.rollout, spec.training
+  hosts = _adapter_hosts(agents, rollout.adapter_groups, spec.seed)
+  placement = placement_fit.fit(
+      {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
+                                    a.instance_devices, hosts.get(n, ''))
+       for n, a in agents.items()},
+      rollout.devices, device_ids, training.pool_devices, list(training.mesh_shapes),
+      strict=spec.placement_policy == 'strict', state_bytes=lambda: _state_bytes(agents),
+      no_pool=('agents that start from model.checkpoint cannot share a training pool yet'
+               if any(a.checkpoint for a in agents.values()) else ''))
+  if placement.fitted:  # the spec says what runs: the fitted fields
+    rollout = dataclasses.replace(rollout, devices=placement.mode)
+    training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(
+        'training.pool_devices', training.pool_devices))
+  if spec.cluster.backend == 'ray' and placement.pool:
+    fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
+         'meshes shared by the agents); under Ray every agent trains on a mesh of its own: give '
+         'the run enough devices (config.cluster.devices), set config.training.pool_devices=0, '
+         'or use --config.cluster.backend=local.')
+  return dataclasses.replace(spec, rollout=rollout, training=training, placement=placement)
 
 
 def check_prompt_lengths(requests: Sequence[tuple[str, str, Sequence[str]]], tokenizers,

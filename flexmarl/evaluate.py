@@ -39,7 +39,7 @@ def main(argv) -> None:
     step = orchestrator.restore() if not _BASE.value else 0
     if not _BASE.value and not step:
       raise app.UsageError(f'--workdir={workdir!r} has no checkpoint yet.')
-    lines = evaluate(orchestrator.engine, orchestrator.workflow)
+    lines = evaluate(orchestrator.rollout_engine, orchestrator.workflow)
   finally:
     orchestrator.close()
   print(format_eval(step, lines))

@@ -27,7 +27,7 @@ from flexmarl.config import agent_spec
 from flexmarl.models import hf, lora, peft
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
-from flexmarl.train import bases
+from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.optimizer import make_optimizer
 
@@ -65,9 +65,9 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
   if spec.model.lora.rank:  # the checkpoint holds adapters: the base is rebuilt as the run did
     peft.save_peft(spec.model, params, os.path.join(out_dir, 'adapter'),
                  base_model=spec.checkpoint)
-    seed = bases.base_seed(bases.agent_seed(config.seed, list(config.agents).index(agent)),
+    seed = shared_base.base_seed(shared_base.agent_seed(config.seed, list(config.agents).index(agent)),
                            spec.base_seed)
-    base = bases.load_base(spec.model, spec.checkpoint, seed)(
+    base = shared_base.load_base(spec.model, spec.checkpoint, seed)(
         jax.tree.map(lambda _: device, frozen))
     params = lora.combine(params, base)
   return hf.save_hf(spec.model, params, out_dir, tokenizer=tokenizer, dtype=dtype)

@@ -1,6 +1,6 @@
 """The interfaces the parts of a team meet at, declared once.
 
-An `Agent` (flexmarl.team) drives a `Trainer`, saves through a `Checkpointer` and
+An `Agent` (flexmarl.agent) drives a `Trainer`, saves through a `Checkpointer` and
 publishes its `Weights` to a `WeightSink` (its rollout instances). The real run, the
 simulator and a remote backend each bring their own implementations, made by the
 factories they hand to `flexmarl.build.build_team`; the rest of the run does not notice
@@ -14,6 +14,27 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 Stats = dict[str, float]
+# What a checkpoint holds of one agent: the pytree of a trainer in this process, or a
+# `RemoteState` token for a trainer whose state stays in its worker processes. Only the
+# checkpointer made for that trainer reads it.
+TrainState = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteState:
+  """The train state of agent `agent`, kept by its remote trainer group: its ranks save and
+  restore it themselves (`flexmarl.cluster.remote.RemoteCheckpointer`)."""
+
+  agent: str
+
+
+class Ready(Protocol):
+  """Work still running: `block_until_ready` waits for it and returns it. A JAX array is
+  one; so is a remote worker's result (`flexmarl.cluster.remote.Handle`). Spans time
+  dispatched work by waiting on it."""
+
+  def block_until_ready(self) -> Ready:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +75,10 @@ class Trainer(Protocol):
     """Start one optimizer step over everything accumulated (`step=False`: drop it
     without a step, see `train.grpo.takes_step`)."""
 
-  def train_state(self) -> dict:
+  def train_state(self) -> TrainState:
     """What a checkpoint holds."""
 
-  def load_train_state(self, state: dict) -> None:
+  def load_train_state(self, state: TrainState) -> None:
     """Take a restored train state."""
 
 
@@ -69,10 +90,10 @@ class Checkpointer(Protocol):
   def steps(self) -> list[int]:
     """The steps saved, intact or not."""
 
-  def save(self, step: int, train_state: dict, meta: dict) -> None:
+  def save(self, step: int, train_state: TrainState, meta: dict) -> None:
     """Save asynchronously; `wait` waits."""
 
-  def restore(self, step: int, like: dict) -> tuple[dict, dict]:
+  def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
     """The state (shaped and placed like `like`) and metadata saved at `step`."""
 
   def wait(self) -> None:

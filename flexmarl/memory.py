@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from flexmarl.agent_spec import AgentSpec
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.placement import Placement
-from flexmarl.train import bases, sizing
+from flexmarl.train import shared_base, sizing
 
 
 def _mib(n: int) -> str:
@@ -27,8 +27,8 @@ def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement,
   state = {n: sizing.state_nbytes(a.model, a.optimizer, a.grpo) for n, a in agents.items()}
   weights = {n: sizing.param_nbytes(dataclasses.replace(a.model, lora=LoRAConfig()))
              for n, a in agents.items()}
-  keys = {n: bases.base_key(a.model, a.checkpoint, bases.base_seed(
-      bases.agent_seed(team_seed, i), a.base_seed))
+  keys = {n: shared_base.base_key(a.model, a.checkpoint, shared_base.base_seed(
+      shared_base.agent_seed(team_seed, i), a.base_seed))
           for i, (n, a) in enumerate(agents.items()) if a.model.lora.rank}
   sharers = collections.defaultdict(list)
   for n, key in keys.items():

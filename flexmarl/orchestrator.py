@@ -28,14 +28,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from flexmarl import memory
+from flexmarl.agent import Agent
 from flexmarl.clock import Clock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
 from flexmarl.held_out import evaluate, format_eval
 from flexmarl.interfaces import Stats
-from flexmarl.metrics import spans, utilization
 from flexmarl.interrupt import StopRequest
+from flexmarl.metrics import spans, utilization
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.starvation import StarvationWatch
 from flexmarl.metrics.summary import format_step, write_summary
@@ -44,12 +45,11 @@ from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.stream import RolloutStream
 from flexmarl.schedules import Lines, Schedule, StepResult
-from flexmarl.team import Agent
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
 
 
-class Rollout:
+class JournaledRollout:
   """One step's rollout as it streams: iterating gives each query's groups per agent
   (only agents it served), in stream order, each group already journaled; it ends after
   `rollout.max_step_queries` queries. `queries` and `tokens` (response tokens per agent)
@@ -83,10 +83,10 @@ class JointOrchestrator:
   `accumulate`, `update`, `publish` and `version`."""
 
   def __init__(self, spec: TeamSpec, workflow: Workflow, agents: Mapping[str, Agent],
-               engine: RolloutEngine, journal: Journal, schedule: Schedule, workdir: str,
+               rollout_engine: RolloutEngine, journal: Journal, schedule: Schedule, workdir: str,
                clock: Clock, recorder: spans.SpanRecorder):
     self.spec, self.workflow, self.workdir = spec, workflow, workdir
-    self.agents, self.engine, self.journal = dict(agents), engine, journal
+    self.agents, self.rollout_engine, self.journal = dict(agents), rollout_engine, journal
     self.schedule, self.clock, self.recorder = schedule, clock, recorder
     self.step = 0
     self.next_query = 0
@@ -114,7 +114,7 @@ class JointOrchestrator:
     results, self._started = self._started or self._open_stream(), None
     for agent in self.agents.values():
       agent.expect_training()
-    rollout = Rollout(results, self.spec, self.journal, self.starvation)
+    rollout = JournaledRollout(results, self.spec, self.journal, self.starvation)
     try:
       yield rollout
     finally:
@@ -139,7 +139,7 @@ class JointOrchestrator:
 
   def _open_stream(self) -> RolloutStream:
     source = ((i, self.query(i)) for i in itertools.count(self.next_query))
-    return self.engine.stream(self.workflow, source)
+    return self.rollout_engine.stream(self.workflow, source)
 
   def _drop_started(self) -> None:
     """Abandon a rollout `start_rollout` began (before a restore, or at the end)."""
@@ -267,7 +267,7 @@ class JointOrchestrator:
 
   def _log_rebalances(self) -> int:
     """Append the balancer's new decisions to `WORKDIR/rebalances.jsonl`; how many."""
-    log = self.engine.balancer.log if self.engine.balancer else []
+    log = self.rollout_engine.balancer.log if self.rollout_engine.balancer else []
     new = log[self._rebalances_logged:]
     self._rebalances_logged = len(log)
     if new:
@@ -334,7 +334,7 @@ class JointOrchestrator:
   def evaluate(self, writer: MetricsWriter, log=print) -> None:
     """Held-out evaluation of the published weights (`held_out`); an early rollout is dropped."""
     self._drop_started()
-    lines = evaluate(self.engine, self.workflow, self.clock)
+    lines = evaluate(self.rollout_engine, self.workflow, self.clock)
     writer.write_lines(self.step, lines)
     log(format_eval(self.step, lines))
 

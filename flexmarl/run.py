@@ -36,72 +36,38 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   has passed; a workdir that holds another run is refused (flexmarl.workdir). With
   `config.cluster.backend='ray'` the team's parts start as Ray workers (flexmarl.cluster)
   and this process only drives them.
+
+  Three stages, in order: the spec from the config alone (no device touched); the
+  devices (JAX starts, or the Ray cluster does) and the placement on them; the workdir
+  and the team.
   """
-  from flexmarl.cluster_spec import ClusterSpec
   quiet_logging()
-  cluster_spec = ClusterSpec.from_config(config.get('cluster'))
-  if cluster_spec.backend == 'ray' and not _jax_started():
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # the driver owns no accelerator
-
-  import jax  # after absl parsed flags, so XLA_FLAGS set by the caller take effect
-
-  from flexmarl import compile_cache, gpu_memory
-  from flexmarl import workdir as workdirs
-  from flexmarl.config import (build_team_spec, check_prompt_lengths, tokenizer_paths,
-                               vllm_demand)
+  # Imported here, after absl parsed flags, so XLA_FLAGS set by the caller take effect.
+  from flexmarl import compile_cache
   from flexmarl.build import build_orchestrator
   from flexmarl.clock import RealClock
-  from flexmarl.errors import ConfigError
-  from flexmarl.held_out import has_held_out
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.config import place_team, team_spec
   from flexmarl.workflows import build_workflow
-  from flexmarl.workflows.checks import check_workflow, check_workflow_api
+  from flexmarl.workflows.checks import check_workflow_api
 
-  paths = tokenizer_paths(config)
-  loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
-  tokenizers = {name: loaded[path] for name, path in paths.items()}
+  # 1. The spec: every config section read once, the workflow dry-run; no device yet.
+  tokenizers, loaded = _load_tokenizers(config)
   workflow = workflow or build_workflow(config.workflow)
   check_workflow_api(workflow)
-  # GPU memory shares are planned before JAX starts its client (which reads them).
-  vocab = {n: t.vocab_size for n, t in tokenizers.items()}
-  engines, vllm_given = vllm_demand(config, vocab)
-  shares = gpu_memory.plan(engines, os.environ, vllm_given)
-  started = _jax_started()
-  if not started:
-    os.environ.update(shares.env())
-  devices = jax.devices()
-  cluster = None
-  if cluster_spec.backend == 'ray':  # placement numbers the cluster's devices
-    from flexmarl.cluster.ray_cluster import Cluster
-    cluster = Cluster(cluster_spec, len(devices))
+  spec = team_spec(config, {n: t.vocab_size for n, t in tokenizers.items()},
+                   workflow.agent_names())
+  _check_workflow_runs(spec, workflow, tokenizers)
+  # 2. The devices and the placement on them.
+  started = _jax_started()  # then the GPU memory shares cannot be set: JAX read them
+  devices, shares, cluster = _start_devices(spec, started)
   try:
     device_ids = [d.id for d in devices] if cluster is None else list(range(cluster.devices))
-    spec = build_team_spec(config, vocab, device_ids, workflow.agent_names())
+    spec = place_team(spec, device_ids)
     compile_cache.use(spec.compile_cache_dir)  # before the first step compiles
-    if cluster is None and devices[0].platform == 'gpu':
-      log(shares.describe())
-      shares.check()
-      if started:
-        log(f'warning: JAX had started before the run was built, so the planned GPU memory '
-            f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')
-      else:
-        stats = devices[0].memory_stats() or {}
-        if stats.get('bytes_limit'):  # JAX's share of one GPU
-          spec = gpu_memory.settle(spec, shares, int(stats['bytes_limit'] / shares.jax))
-    requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
-                              spec.seed)
-    check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
-    if spec.eval_every and not has_held_out(workflow):
-      raise ConfigError(f'config.eval_every={spec.eval_every}: the workflow '
-                        f'{type(workflow).__name__} has no held-out problems (an eval_queries() '
-                        'method); set eval_every=0 or use a workflow that has them.')
-    for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
-      log(f'warning: {warning}')
-    workdirs.accept_workdir(workdir, config, workflow, experiment)
-    loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))
-    for name, path in paths.items():  # an agent's own tokenizer, beside the team's
-      if path != config.tokenizer:
-        tokenizers[name].save(os.path.join(workdir, 'tokenizers', name))
+    if cluster is None:
+      spec = _settle_gpu_memory(spec, shares, devices, started, log)
+    # 3. The workdir, then the team.
+    _accept_workdir(workdir, config, workflow, experiment, loaded, tokenizers, log)
     if cluster is None:
       return build_orchestrator(spec, workflow, tokenizers, workdir, clock=RealClock(),
                                 devices=devices)
@@ -117,7 +83,88 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   orchestrator.on_close.append(cluster.close)
   cluster.save(workdir)
   log(cluster.describe())
+  if spec.rollout.balance:
+    log('note: rollout.balance is off under cluster.backend=ray: each instance is a worker '
+        'process pinned to its devices, and the balancer does not move workers between '
+        'agents yet (each request still goes to its agent\'s least-loaded instance).')
   return orchestrator
+
+
+def _load_tokenizers(config) -> tuple[dict, dict]:
+  """({agent: its tokenizer}, {path: tokenizer}): an agent's own `agents.NAME.tokenizer`,
+  else the team's `config.tokenizer` (each file loaded once)."""
+  from flexmarl.tokenizer import load_tokenizer
+  paths = {name: a.get('tokenizer') or config.tokenizer for name, a in config.agents.items()}
+  loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
+  return {name: loaded[path] for name, path in paths.items()}, loaded
+
+
+def _check_workflow_runs(spec, workflow, tokenizers) -> None:
+  """The workflow's dry run (flexmarl.workflows.checks) on a query: its prompts encode and
+  fit `max_prompt_len`; a run that evaluates has held-out problems to evaluate on."""
+  from flexmarl.config import check_prompt_lengths
+  from flexmarl.errors import ConfigError
+  from flexmarl.held_out import has_held_out
+  from flexmarl.workflows.checks import check_workflow
+  requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
+                            spec.seed)
+  check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
+  if spec.eval_every and not has_held_out(workflow):
+    raise ConfigError(f'config.eval_every={spec.eval_every}: the workflow '
+                      f'{type(workflow).__name__} has no held-out problems (an eval_queries() '
+                      'method); set eval_every=0 or use a workflow that has them.')
+
+
+def _start_devices(spec, started: bool):
+  """(this process's JAX devices, the planned GPU memory shares, the Ray cluster or None).
+  The shares are set before JAX starts its client (which reads them); a Ray driver owns
+  no accelerator."""
+  import jax
+  from flexmarl import gpu_memory
+  from flexmarl.config import vllm_demand
+  ray = spec.cluster.backend == 'ray'
+  engines, vllm_given = vllm_demand(spec)
+  shares = gpu_memory.plan(engines, os.environ, vllm_given)
+  if not started:
+    if ray:
+      os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+      jax.config.update('jax_platforms', os.environ['JAX_PLATFORMS'])
+    os.environ.update(shares.env())
+  devices = jax.devices()
+  if not ray:
+    return devices, shares, None
+  from flexmarl.cluster.ray_cluster import Cluster
+  return devices, shares, Cluster(spec.cluster, len(devices))  # numbers the cluster's devices
+
+
+def _settle_gpu_memory(spec, shares, devices, started: bool, log):
+  """On GPUs: the spec with the vLLM engines' planned share of memory, checked to fit."""
+  from flexmarl import gpu_memory
+  if devices[0].platform != 'gpu':
+    return spec
+  log(shares.describe())
+  shares.check()
+  if started:
+    log(f'warning: JAX had started before the run was built, so the planned GPU memory '
+        f'shares could not be set; set {gpu_memory.JAX_FRACTION} before JAX starts.')
+    return spec
+  stats = devices[0].memory_stats() or {}
+  if not stats.get('bytes_limit'):
+    return spec
+  return gpu_memory.settle(spec, shares, int(stats['bytes_limit'] / shares.jax))  # one GPU
+
+
+def _accept_workdir(workdir, config, workflow, experiment, loaded, tokenizers, log) -> None:
+  """Claim the workdir for this run (flexmarl.workdir) and save the tokenizers beside it:
+  the team's in tokenizer/, an agent's own in tokenizers/NAME."""
+  from flexmarl import workdir as workdirs
+  for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
+    log(f'warning: {warning}')
+  workdirs.accept_workdir(workdir, config, workflow, experiment)
+  loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))
+  for name, tokenizer in tokenizers.items():
+    if tokenizer is not loaded[config.tokenizer]:
+      tokenizer.save(os.path.join(workdir, 'tokenizers', name))
 
 
 def _jax_started() -> bool:

@@ -141,6 +141,29 @@ def test_experiment_configs_are_valid(name, arg):
   check_prompt_lengths(requests, tokenizer, spec.max_prompt_len)
 
 
+def test_the_spec_is_checked_before_jax_starts(tmp_path):
+  """`team_spec` reads the whole config and starts no JAX backend (so GPU memory shares
+  can still be set after it); `place_team` then places it on the devices."""
+  code = (
+      'from experiments import hierarchical_assistant\n'
+      'from flexmarl.config import place_team, team_spec\n'
+      'from flexmarl.run import _jax_started\n'
+      'from flexmarl.tokenizer import build_char_tokenizer\n'
+      'from flexmarl.workflows import build_workflow\n'
+      'config = hierarchical_assistant.get_config("runlocal")\n'
+      'spec = team_spec(config, build_char_tokenizer().vocab_size,\n'
+      '                 build_workflow(config.workflow).agent_names())\n'
+      'assert spec.placement is None and not _jax_started()\n'
+      'import jax\n'
+      'placed = place_team(spec, [d.id for d in jax.devices()])\n'
+      'assert set(placed.placement.train) == set(spec.agents), placed.placement\n'
+      'print("ok")\n')
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': ROOT}
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+  assert out.stdout.strip() == 'ok', out.stderr[-2000:]
+
+
 def test_default_sections_are_generated_from_the_spec_dataclasses():
   """A field and its default are written once, on a part's spec dataclass: the default
   config sections read back as those defaults, and an optional field with no value is

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from flexmarl import workdir
+from flexmarl.agent import Agent
 from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.clock import SimClock
 from flexmarl.data.groups import Group
@@ -24,7 +25,6 @@ from flexmarl.rollout import pool as pool_lib
 from flexmarl.rollout.pool import InstancePool
 from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams
-from flexmarl.team import Agent
 from flexmarl.train import engine as engine_lib
 from flexmarl.train import grpo
 from flexmarl.train.state import Transfer

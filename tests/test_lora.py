@@ -24,7 +24,7 @@ from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.run import build, train
 from flexmarl.tokenizer import load_tokenizer
-from flexmarl.train import bases, grpo, sizing
+from flexmarl.train import shared_base, grpo, sizing
 from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.state import InStorage, OnHost
@@ -310,7 +310,7 @@ def test_agents_of_one_base_share_one_copy_per_device_group(tmp_path):
   adapters; training and swaps leave the base bit-identical; a full agent beside them
   trains as ever."""
   cfg = ModelConfig(vocab_size=20, layers=1, lora=LoRAConfig(rank=4, alpha=8.0))
-  base = bases.SharedBase(bases.load_base(cfg, '', seed=7))
+  base = shared_base.SharedBase(shared_base.load_base(cfg, '', seed=7))
   mesh_a = sharding.make_mesh(jax.devices()[:2], (2, 1))
   mesh_b = sharding.make_mesh(jax.devices()[2:4], (2, 1))
   opt = OptimizerConfig(learning_rate=1e-2)
@@ -406,7 +406,7 @@ def test_peft_import_round_trips_exactly(tmp_path):
   adapters = lora.partition(trained, cfg.lora)[0]
   assert _equal(peft.load_peft(folder, cfg), jax.device_get(adapters))
   # an agent started from the folder trains from those adapters, over its base
-  base = bases.SharedBase(bases.load_base(cfg, '', seed=0))
+  base = shared_base.SharedBase(shared_base.load_base(cfg, '', seed=0))
   t = AgentTrainer('a', cfg, OptimizerConfig(), grpo.GRPOConfig(), sharding.layout((1, 1)),
                    seed=5, init_params=peft.load_peft(folder, cfg), base=base)
   assert _equal(jax.device_get(t.params), jax.device_get(trained))

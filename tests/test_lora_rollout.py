@@ -60,7 +60,7 @@ def _mixed_batch(instance, orchestrator, prompts: dict[str, list[int]]):
   requests = [Request(0, f'q-{agent}', 0, agent, ids, 4, 0, None, [])
               for agent, ids in prompts.items()]
   instance.queue.extend(requests)
-  instance.submit_next(orchestrator.engine._keys, orchestrator.engine.sampling['planner'],
+  instance.submit_next(orchestrator.rollout_engine._keys, orchestrator.rollout_engine.sampling['planner'],
                        max_batch=64, now=0.0)
   batch, out, versions = instance.collect(now=0.0)
   rows = {r.agent: slice(4 * k, 4 * k + 4) for k, r in enumerate(batch)}
@@ -79,10 +79,10 @@ def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
       for k, name in enumerate(TEAM):
         agent = orchestrator.agents[name]
         agent.pool.publish(Weights(_trained(agent.trainer.params, seed=k), version=k + 1))
-      results = orchestrator.engine.run(orchestrator.workflow,
+      results = orchestrator.rollout_engine.run(orchestrator.workflow,
                                         [orchestrator.query(i) for i in range(5)])
       served[shared] = {(g.query_id, g.call): g for r in results for g in r.served}
-      assert len(orchestrator.engine.instances) == (1 if shared else 3)
+      assert len(orchestrator.rollout_engine.instances) == (1 if shared else 3)
     # the rollout: every group as its agent's dedicated instance served it
     assert served[True].keys() == served[False].keys()
     assert {g.agent for g in served[True].values()} == set(TEAM)
@@ -96,7 +96,7 @@ def test_one_instance_gives_each_agent_the_rows_of_a_dedicated_one(tmp_path):
     # one batch mixing all three agents' rows (the rollout's batches mix them only as
     # timing allows): each agent's rows are its dedicated instance's
     prompts = {'judge': [1, 5, 6], 'planner': [1, 7], 'worker': [1, 3, 4, 8]}
-    mixed, versions = _mixed_batch(built[True].engine.instances[0], built[True], prompts)
+    mixed, versions = _mixed_batch(built[True].rollout_engine.instances[0], built[True], prompts)
     assert versions == {a: TEAM.index(a) + 1 for a in TEAM}
     for agent in TEAM:
       own, _ = _mixed_batch(built[False].agents[agent].pool.instances[0], built[False],
@@ -222,6 +222,6 @@ def test_vllm_serves_a_group_from_the_first_agents_engines():
     c.agents[name].model.head_dim, c.agents[name].model.heads = 32, 2  # vLLM on CPU: >= 32
   spec = _spec(c)
   assert set(spec.placement.group_of('judge')) == set(TEAM)
-  assert vllm_demand(c, 20)[0] == spec.agents['planner'].instances
+  assert vllm_demand(spec)[0] == spec.agents['planner'].instances
   c.rollout.adapter_groups = []
-  assert vllm_demand(c, 20)[0] == sum(spec.agents[n].instances for n in TEAM)
+  assert vllm_demand(_spec(c))[0] == sum(spec.agents[n].instances for n in TEAM)

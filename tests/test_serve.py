@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flexmarl.agent import check_served_logprobs
 from flexmarl.config import agent_config, rollout_config
-from flexmarl.sample_id import parse_sample_id
 from flexmarl.export import export
 from flexmarl.models import hf, transformer
 from flexmarl.rollout.engine import Answer, RolloutEngine, finish
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams
 from flexmarl.run import train
-from flexmarl.team import check_served_logprobs
+from flexmarl.sample_id import parse_sample_id
 from flexmarl.tokenizer import BOS, build_char_tokenizer, load_tokenizer
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs

@@ -15,17 +15,17 @@ import tempfile
 import ml_collections
 import pytest
 
+from flexmarl.build import build_orchestrator
 from flexmarl.clock import SimClock
 from flexmarl.errors import ConfigError
 from flexmarl.metrics.writer import TEAM
-from flexmarl.build import build_orchestrator
 from flexmarl.sim.devices import DeviceGroup
 from flexmarl.sim.team import sim_factories, sim_team_spec
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import FILLER, RouterWorkflow
 from flexmarl.tokenizer import build_char_tokenizer
 from flexmarl.train.engine import TrainingEngine
-from flexmarl.train.pool import PoolMesh, inline
+from flexmarl.train.pool_meshes import PoolMesh, inline
 from flexmarl.train.state import InStorage, OnHost, OnMesh
 from flexmarl.workflows.base import Episode, Query
 
@@ -148,7 +148,7 @@ def test_host_budget_sends_the_least_recently_used_state_to_storage():
   assert isinstance(agents['a'].trainer.state.location, InStorage)
   assert lines[0]['a']['swaps'] == 3
   assert lines[0]['a']['swap_s'] == pytest.approx(2 * S + W)
-  [evicted] = [s for s in agents['a'].engine.log if s['target'] == 'storage']
+  [evicted] = [s for s in agents['a'].training_engine.log if s['target'] == 'storage']
   assert evicted['agent'] == 'a' and evicted['source'] == 'host'
 
 

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from flexmarl.run import train
+from flexmarl.agent import Agent
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.team import Agent
+from flexmarl.run import train
 from flexmarl.store.experience_store import ExperienceStore
 from test_team import two_agent_config
 

@@ -23,7 +23,7 @@ from flexmarl.models import sharding
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import sizing
 from flexmarl.train.engine import TrainingEngine
-from flexmarl.train.pool import PoolMesh
+from flexmarl.train.pool_meshes import PoolMesh
 from flexmarl.train.state import OnHost, Transfer
 from flexmarl.workflows import build_workflow
 

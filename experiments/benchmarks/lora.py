@@ -7,7 +7,7 @@ For each team size N in `--agents` and each kind (full, lora), N `AgentTrainer`s
 one model (`--preset`, vocab `--vocab`, fp32, AdamW) are built on the same device
 group (the first `--devices` devices, a ('fsdp',) mesh): full agents each with their
 own weights, LoRA agents (`--rank`, every projection) as adapters on one
-`train.bases.SharedBase`. Reported per row: device bytes held (all live arrays on
+`train.shared_base.SharedBase`. Reported per row: device bytes held (all live arrays on
 the devices, after every agent took one step), their share per agent, the state
 bytes of one agent (what moves and is checkpointed), and the mean time of one
 optimizer step (one micro-batch of `--rows` rows, prompt and answer of `--tokens`
@@ -28,7 +28,7 @@ from absl import app, flags
 from flexmarl.models import sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
-from flexmarl.train import bases, grpo
+from flexmarl.train import shared_base, grpo
 from flexmarl.train.state import OnHost
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
@@ -68,7 +68,7 @@ def _device_bytes(devices) -> int:
 
 def _team(kind: str, n: int, mesh) -> list[AgentTrainer]:
   cfg = _model(kind)
-  base = bases.SharedBase(bases.load_base(cfg, '', seed=0)) if kind == 'lora' else None
+  base = shared_base.SharedBase(shared_base.load_base(cfg, '', seed=0)) if kind == 'lora' else None
   return [AgentTrainer(f'{kind}{i}', cfg, OptimizerConfig(learning_rate=1e-4),
                        grpo.GRPOConfig(), mesh, seed=i + 1, base=base) for i in range(n)]
 

@@ -85,11 +85,11 @@ def main(argv) -> None:
   orchestrator = run.build(config, workdir)
   try:
     step = orchestrator.restore()
-    results = run_held_out(orchestrator.engine, orchestrator.workflow)
-    ours = answer_texts(results, orchestrator.engine.tokenizers)
+    results = run_held_out(orchestrator.rollout_engine, orchestrator.workflow)
+    ours = answer_texts(results, orchestrator.rollout_engine.tokenizers)
     lines = eval_lines(results)
     workflow = orchestrator.workflow
-    limits = {n: s.max_new_tokens for n, s in orchestrator.engine.sampling.items()}
+    limits = {n: s.max_new_tokens for n, s in orchestrator.rollout_engine.sampling.items()}
   finally:
     orchestrator.close()
   print(f'framework, step {step}: ' + ', '.join(

@@ -5,7 +5,7 @@
 
 The default experiment's query mix (`experiments/hierarchical_assistant.py`: a router
 and three specialists, Zipf-skewed, 24 queries in flight) is rolled out with fixed
-(initial) weights, no training, through `orch.engine.run` of the team `main.build`
+(initial) weights, no training, through `orch.rollout_engine.run` of the team `main.build`
 makes, under three rollout configs (RESULTS.md records the lockstep `waves` engine,
 since removed, against `stream`):
 
@@ -66,7 +66,7 @@ def variant_config(variant: str):
 
 def timed_run(orch, queries) -> dict:
   """One rollout of `queries`: makespan, generated tokens/s, queue time per agent, moves."""
-  engine = orch.engine
+  engine = orch.rollout_engine
   for inst in engine.instances:
     inst.waits.clear()
   moves = len(engine.balancer.log) if engine.balancer else 0
@@ -98,7 +98,7 @@ def measure(variant: str) -> dict:
         warmups += 1
       warmup_s = time.perf_counter() - t0
       runs = [timed_run(orch, queries) for _ in range(_REPEATS.value)]
-      instances = {n: len(p.instances) for n, p in orch.engine.pools.items()}
+      instances = {n: len(p.instances) for n, p in orch.rollout_engine.pools.items()}
     finally:
       orch.close()
   out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

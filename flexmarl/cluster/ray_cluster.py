@@ -43,9 +43,14 @@ class Cluster:
       self.nodes = nodes_lib.split_devices(spec.devices or local_devices,
                                            [(n['NodeID'], n['NodeManagerAddress'])
                                             for n in alive])
-    self.processes: dict[str, list[dict[str, Any]]] = {}
-    self.trainers: dict[str, Any] = {}  # agent → its RemoteTrainer
+    self.processes: dict[str, list[Any]] = {}  # group → where its ranks run (refs, then dicts)
     self.actors: list[Any] = []  # every worker the run started
+
+  def add_workers(self, group: str, actors: list, where: list) -> None:
+    """Record the workers of one device group (`train:NAME`, `rollout:NAME:DEVICES`) and
+    refs to where each of its processes runs, for `wait_started`, `save` and `close`."""
+    self.processes[group] = list(where)
+    self.actors.extend(actors)
 
   def wait_started(self) -> None:
     """Wait until every worker process has started (its trainer or sampler built);
@@ -82,6 +87,5 @@ class Cluster:
     for actor in self.actors:
       ray.kill(actor, no_restart=True)
     self.actors.clear()
-    self.trainers.clear()
     if self.started:
       ray.shutdown()

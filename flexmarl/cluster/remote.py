@@ -22,15 +22,15 @@ import numpy as np
 from flexmarl import placement as placement_lib
 from flexmarl.build import Factories, MakeSampler
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster_spec import ClusterSpec
 from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank, WeightsMissing
+from flexmarl.cluster_spec import ClusterSpec
 from flexmarl.config import AgentSpec, TeamSpec
-from flexmarl.interfaces import Stats, Weights
+from flexmarl.interfaces import RemoteState, Stats, Weights
 from flexmarl.metrics import spans
+from flexmarl.metrics.timeline import Timeline
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
-from flexmarl.team import Timeline
 from flexmarl.tokenizer import TextTokenizer
-from flexmarl.train import bases, sizing
+from flexmarl.train import shared_base, sizing
 
 
 class WorkerLost(RuntimeError):
@@ -60,8 +60,9 @@ def resolve(ref, who: str, call: str, timeout: float):
 
 @dataclasses.dataclass(frozen=True)
 class Handle:
-  """A result still being computed in a worker (a Ray object ref). `block_until_ready`
-  lets spans time it like a JAX array; it never raises (the caller's `get` does)."""
+  """A result still being computed in a worker (a Ray object ref); an `interfaces.Ready`,
+  so spans time it as they time a JAX array. `block_until_ready` never raises (the
+  caller's `get` does)."""
 
   ref: Any
   timeout: float  # the longest wait (config.cluster.call_timeout_s)
@@ -152,7 +153,8 @@ class RemoteTrainer:
     self._params: Handle | None = None
     self.lost = False
 
-  def _call(self, method: str, *args) -> list:
+  def call(self, method: str, *args) -> list:
+    """Send every rank the same call; the refs of their answers, in rank order."""
     return [getattr(r, method).remote(*args) for r in self.ranks]
 
   def get(self, refs: Sequence, call: str) -> list:
@@ -166,29 +168,29 @@ class RemoteTrainer:
   @property
   def params(self) -> Handle:
     if self._params is None:
-      self._params = Handle(self._call('host_params')[0], self.cluster.call_timeout_s,
+      self._params = Handle(self.call('host_params')[0], self.cluster.call_timeout_s,
                             self.param_bytes)
     return self._params
 
   def accumulate(self, batch, update: int) -> Handle:
     import ray
     ref = ray.put(batch)  # once, read by every rank
-    return Handle(self._call('accumulate', ref, update)[0], self.cluster.call_timeout_s)
+    return Handle(self.call('accumulate', ref, update)[0], self.cluster.call_timeout_s)
 
   def dispatch_apply(self, step: bool = True) -> Callable[[], Stats]:
-    refs = self._call('apply', step)
+    refs = self.call('apply', step)
     self._params = None
     return lambda: self.get(refs, 'apply')[0]
 
-  def train_state(self) -> RemoteTrainer:
+  def train_state(self) -> RemoteState:
     """The state stays in the group: checkpoints are written by its ranks
-    (`RemoteCheckpointer`), so the token is the trainer itself."""
-    return self
+    (`RemoteCheckpointer`), so what the run holds is a token naming it."""
+    return RemoteState(self.name)
 
-  def load_train_state(self, state: RemoteTrainer) -> None:
-    if state is not self:
+  def load_train_state(self, state: RemoteState) -> None:
+    if state != RemoteState(self.name):
       raise ValueError(f'agent {self.name!r}: a remote trainer takes only the state its own '
-                       'checkpointer restored.')
+                       f'checkpointer restored, not {state!r}.')
     self._params = None
 
 
@@ -202,18 +204,18 @@ class RemoteCheckpointer:
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints', trainer.name))
 
   def steps(self) -> list[int]:
-    return self.trainer.get(self.trainer._call('steps'), 'steps')[0]
+    return self.trainer.get(self.trainer.call('steps'), 'steps')[0]
 
-  def save(self, step: int, train_state: RemoteTrainer, meta: dict) -> None:
-    self.trainer._call('save', step, meta)
+  def save(self, step: int, train_state: RemoteState, meta: dict) -> None:
+    self.trainer.call('save', step, meta)
 
-  def restore(self, step: int, like: RemoteTrainer) -> tuple[RemoteTrainer, dict]:
-    meta = self.trainer.get(self.trainer._call('restore', step), f'restore({step})')[0]
-    return self.trainer, meta
+  def restore(self, step: int, like: RemoteState) -> tuple[RemoteState, dict]:
+    meta = self.trainer.get(self.trainer.call('restore', step), f'restore({step})')[0]
+    return like, meta
 
   def wait(self) -> None:
     if not self.trainer.lost:
-      self.trainer.get(self.trainer._call('wait'), 'wait (checkpoint save)')
+      self.trainer.get(self.trainer.call('wait'), 'wait (checkpoint save)')
 
 
 # -- wiring -------------------------------------------------------------------------------
@@ -251,29 +253,30 @@ def start_trainer_group(job: TrainerJob, slots: Sequence[nodes_lib.Slot], gpus: 
            for i, s in enumerate(slots)]
   group = RemoteTrainer(job.name, ranks, cluster, batch_multiple,
                         sizing.param_nbytes(job.agent.model))
-  return group, group._call('start', ranks[0].coordinator.remote(), job)
+  return group, group.call('start', ranks[0].coordinator.remote(), job)
 
 
 def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
                   cluster, recorder: spans.SpanRecorder) -> Factories:
   """The parts of a run as Ray actors on `cluster` (a `ray_cluster.Cluster`): a trainer
-  group per training mesh, a rollout worker per instance, all started at once. Every
-  process is recorded in `cluster.processes` (device group → refs to where its ranks
-  run; `Cluster.started_processes` waits for them)."""
+  group per training mesh, a rollout worker per instance, all started at once. Each
+  factory hands its workers to `cluster.add_workers` (what `Cluster.wait_started` waits
+  for and `Cluster.close` stops)."""
   import ray
   c = spec.cluster
   rollout_cls = ray.remote(RolloutWorker)
+  trainers: dict[str, RemoteTrainer] = {}  # for their checkpointers
 
   def trainer(name: str, a: AgentSpec, index: int,
               mesh: placement_lib.MeshPlacement | None) -> RemoteTrainer:
     group = f'train:{name}'
     slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
-    job = TrainerJob(name, a, bases.agent_seed(spec.seed, index), tokenizers[name].banned_ids,
+    job = TrainerJob(name, a, shared_base.agent_seed(spec.seed, index), tokenizers[name].banned_ids,
                      workdir, spec.compile_cache_dir, c.trainer_cores)
-    remote, cluster.processes[group] = start_trainer_group(
+    remote, started = start_trainer_group(
         job, slots, cluster.gpus, cluster.cpu_devices, c, a.layout.batch_multiple)
-    cluster.trainers[name] = remote
-    cluster.actors.extend(remote.ranks)
+    cluster.add_workers(group, remote.ranks, started)
+    trainers[name] = remote
     return remote
 
   def sampler(name: str, a: AgentSpec, trainer: RemoteTrainer) -> MakeSampler:
@@ -283,12 +286,9 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
       actor = rollout_cls.options(**_options(slot, cluster.gpus, c.worker_restarts,
                                              cluster.cpu_devices)).remote(
           spec, name, tokenizers[name], workdir, devices, weights.params.ref, weights.version)
-      remote = RemoteSampler(group, actor, c, weights.params, weights.version)
-      cluster.processes[group] = [actor.where.remote()]
-      cluster.actors.append(actor)
-      return remote
+      cluster.add_workers(group, [actor], [actor.where.remote()])
+      return RemoteSampler(group, actor, c, weights.params, weights.version)
     return make
 
-  return Factories(trainer, sampler, lambda name: RemoteCheckpointer(cluster.trainers[name],
-                                                                     workdir),
+  return Factories(trainer, sampler, lambda name: RemoteCheckpointer(trainers[name], workdir),
                    None, lambda name: Timeline(recorder, f'train:{name}'))

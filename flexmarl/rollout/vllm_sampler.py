@@ -329,21 +329,21 @@ class VLLMSharedAdapters:
                        '(model.lora.rank > 0).')
     self.agents = tuple(weights)
     first = weights[self.agents[0]]
-    self.engine = VLLMSampler(model_cfg, first.params, version=first.version,
-                              adapters=weights, **engine)
+    self.sampler = VLLMSampler(model_cfg, first.params, version=first.version,
+                               adapters=weights, **engine)
 
   def version_of(self, agent: str) -> int:
-    return self.engine.slots[agent].version
+    return self.sampler.slots[agent].version
 
   def update_adapter(self, agent: str, params: dict, version: int) -> None:
     """Serve `agent`'s published `params` as `version` from its next row on."""
-    self.engine.load_adapter(agent, params, version)
+    self.sampler.load_adapter(agent, params, version)
 
   def submit(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
              agents: Sequence[str], limits: np.ndarray | None = None
              ) -> concurrent.futures.Future:
     """Queue a batch; `agents` [B]: the agent of each row."""
-    return self.engine.submit(prompts, keys, params, limits, agents=list(agents))
+    return self.sampler.submit(prompts, keys, params, limits, agents=list(agents))
 
   def close(self) -> None:
-    self.engine.close()
+    self.sampler.close()

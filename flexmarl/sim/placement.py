@@ -22,7 +22,7 @@ import ml_collections
 
 from flexmarl import placement as placement_lib
 from flexmarl.errors import ConfigError
-from flexmarl.train.pool import PoolMesh
+from flexmarl.train.pool_meshes import PoolMesh
 
 
 def _instances(first: int, count: int, tp: int) -> tuple[placement_lib.MeshPlacement, ...]:

@@ -40,22 +40,22 @@ import inspect
 import ml_collections
 
 from flexmarl import placement as placement_lib
+from flexmarl.build import Factories
 from flexmarl.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
 from flexmarl.errors import ConfigError
-from flexmarl.build import Factories
 from flexmarl.models import sharding
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
 from flexmarl.sim.devices import CompileCache, DeviceGroup
 from flexmarl.sim.instances import SimSampler
+from flexmarl.sim.placement import pool_meshes, sim_placement, train_tracks
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
 from flexmarl.tokenizer import TextTokenizer
-from flexmarl.sim.placement import pool_meshes, sim_placement, train_tracks
 from flexmarl.train.engine import TrainingEngine
-from flexmarl.train.pool import inline
+from flexmarl.train.pool_meshes import inline
 
 RATE_FIELDS = ('decode_step_s', 'decode_token_s', 'prefill_token_s', 'train_token_s',
                'optimizer_s', 'sync_s')

@@ -44,7 +44,7 @@ from flexmarl.clock import Clock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
-from flexmarl.train.pool import (MakeExecutor, MakeMesh, PoolMesh, PoolTrainer, copy_thread,
+from flexmarl.train.pool_meshes import (MakeExecutor, MakeMesh, PoolMesh, PoolTrainer, copy_thread,
                                  jax_mesh)
 from flexmarl.train.state import InStorage, OnHost, Location, Transfer
 

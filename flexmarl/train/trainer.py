@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 from flexmarl.models import lora, sharding, transformer
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
-from flexmarl.train.bases import SharedBase
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import loss_sum
 from flexmarl.train.optimizer import make_optimizer
+from flexmarl.train.shared_base import SharedBase
 from flexmarl.train.spec import OptimizerConfig
 from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
 from flexmarl.train.step import StepCache, Steps, build_steps

@@ -9,9 +9,7 @@ rollout starts serving them. Teams are wired in `flexmarl.build`.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -21,41 +19,11 @@ from flexmarl.config import AgentSpec
 from flexmarl.data.groups import Group
 from flexmarl.interfaces import Checkpointer, Stats, Trainer, Weights
 from flexmarl.metrics import spans
+from flexmarl.metrics.timeline import Timeline
 from flexmarl.rollout.pool import InstancePool
 from flexmarl.train import grpo
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.trainer import TrainBatch
-
-class Timeline:
-  """Spans of work dispatched to one device group, timed when their results are ready.
-
-  Dispatch returns at once (JAX runs the work asynchronously), so a thread waits for
-  each result in dispatch order; the device runs them in that order too, so a span
-  starts when it was dispatched or when the previous one ended, whichever is later."""
-
-  def __init__(self, recorder: spans.SpanRecorder, track: str):
-    self.recorder, self.track = recorder, track
-    self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=track)
-    self._last_end = -float('inf')
-
-  def add(self, name: str, outputs: Any, **args: Any) -> None:
-    start = self.recorder.clock.now()
-    args.setdefault('step', self.recorder.step)  # the step that dispatched it
-
-    def wait() -> None:
-      jax.block_until_ready(outputs)
-      end = self.recorder.clock.now()
-      self.recorder.add(self.track, name, max(start, self._last_end), end, **args)
-      self._last_end = end
-    self._waiter.submit(wait)
-
-  def drain(self) -> None:
-    """Wait until every span dispatched so far is recorded."""
-    self._waiter.submit(lambda: None).result()
-
-  def close(self) -> None:
-    self._waiter.shutdown(wait=True)
-
 
 # Mean |π_train/π_served − 1| over an on-policy batch's tokens above which the trainer
 # and the sampler disagree on the prompt or the tokens (float32 agrees to ~1e-6; bf16
@@ -81,13 +49,14 @@ class Agent:
   def __init__(self, spec: AgentSpec, trainer: Trainer, pool: InstancePool,
                checkpointer: Checkpointer, *, prompt_len: int, pad_id: int,
                clock: Clock | None = None, recorder: spans.SpanRecorder | None = None,
-               timeline: Timeline | None = None, engine: TrainingEngine | None = None):
+               timeline: Timeline | None = None, training_engine: TrainingEngine | None = None):
     """`clock` times the steps (`train_s`); `recorder` gets weight-sync spans and
     `timeline` the spans of the training devices (a simulated team records its own).
-    `engine`: the training pool's, which binds the trainer to a mesh for each piece of
+    `training_engine`: the training pool's, which binds the trainer to a mesh for each piece of
     work; None: the trainer stays on its own mesh."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
-    self.prompt_len, self.pad_id, self.engine = prompt_len, pad_id, engine
+    self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.training_engine = training_engine
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
     self.version = 0  # updates so far: the version of the trainer's parameters
@@ -118,14 +87,14 @@ class Agent:
   def train_state(self) -> dict:
     """The trainer's state for a checkpoint, once no copy of it is in flight (a training
     pool moves states on threads of its own)."""
-    if self.engine is not None:
-      self.engine.wait(self.name)
+    if self.training_engine is not None:
+      self.training_engine.wait(self.name)
     return self.trainer.train_state()
 
   def restore(self, train_state: dict, version: int, stuck_run: int = 0) -> None:
     """Take a checkpoint's state as version `version` and serve it."""
-    if self.engine is not None:
-      self.engine.wait(self.name)  # a copy in flight would overwrite it
+    if self.training_engine is not None:
+      self.training_engine.wait(self.name)  # a copy in flight would overwrite it
     self.trainer.load_train_state(train_state)
     self.version, self.stuck_run = version, stuck_run
     self._unpublished = Weights(self.trainer.params, version)
@@ -134,21 +103,21 @@ class Agent:
   def _train(self, work: Callable[[], None], urgent: bool = True) -> None:
     """Run `work` on the trainer: at once, or through the pool's engine (which, unless
     `urgent`, may leave it queued rather than move another agent's state out)."""
-    if self.engine is None:
+    if self.training_engine is None:
       work()
     else:
-      self.engine.submit(self.name, work)
-      self.engine.run((self.name,) if urgent else ())
+      self.training_engine.submit(self.name, work)
+      self.training_engine.run((self.name,) if urgent else ())
 
   def expect_training(self) -> None:
     """The agent's batch starts filling (a step's rollout has begun): on a training
     pool its state starts moving toward the mesh it will train on."""
-    if self.engine is not None:
-      self.engine.expect(self.name)
+    if self.training_engine is not None:
+      self.training_engine.expect(self.name)
 
   def swap_stats(self) -> dict:
     """Where the agent trained since the last call and its swap costs ({} without a pool)."""
-    return {} if self.engine is None else self.engine.step_stats(self.name)
+    return {} if self.training_engine is None else self.training_engine.step_stats(self.name)
 
   def accumulate(self, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
@@ -219,7 +188,7 @@ class Agent:
     self.checkpointer.wait()
     if self.timeline is not None:
       self.timeline.close()
-    if self.engine is not None:
-      self.engine.close()
+    if self.training_engine is not None:
+      self.training_engine.close()
     for inst in self.pool.instances:
       inst.sampler.close()
