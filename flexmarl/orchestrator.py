@@ -284,17 +284,17 @@ class JointOrchestrator:
     log(memory.describe_memory(self.spec.agents, self.spec.placement, self.spec.seed))
     for line in self.journal.store.recovered:
       log(f'warning: {line}')
-    start_step = self.restore(log)
-    if start_step:
-      log(f'resumed from step {start_step} in {self.workdir}')
-    writer = MetricsWriter(self.workdir, start_step)
-    for problem in writer.problems:
-      log(f'warning: {problem}')
-    trace = os.path.join(self.workdir, spans.TRACE_FILE)
-    self.recorder.write_to(spans.TraceWriter(trace, start_step, self.spec.trace_steps))
-    stalls = StallWatch()
-    t0 = self.clock.now()
-    try:
+    writer = None
+    try:  # whatever fails from here on, close() still stops the parts (and Ray's workers)
+      start_step = self.restore(log)
+      if start_step:
+        log(f'resumed from step {start_step} in {self.workdir}')
+      writer = MetricsWriter(self.workdir, start_step)
+      for problem in writer.problems:
+        log(f'warning: {problem}')
+      trace = os.path.join(self.workdir, spans.TRACE_FILE)
+      self.recorder.write_to(spans.TraceWriter(trace, start_step, self.spec.trace_steps))
+      stalls, t0 = StallWatch(), self.clock.now()
       if not start_step and self.spec.evaluates_after(0):
         self.evaluate(writer, log)  # the starting weights: the "before" figure
       with StopRequest() as stop:
@@ -326,7 +326,8 @@ class JointOrchestrator:
           log(f'stopped at step {self.step} of {self.spec.steps} in {self.workdir} (saved); '
               'rerun the same command to resume.')
     finally:
-      writer.close()
+      if writer is not None:
+        writer.close()
       self.close()
     return write_summary(self.workdir, self.clock.now() - t0,
                          utilization.run_summary(spans.load_spans(trace)), steps=self.step)
@@ -340,11 +341,10 @@ class JointOrchestrator:
 
   def close(self) -> None:
     """Finish pending checkpoint saves and store writes; release the store; then run
-    `on_close` (e.g. stop the run's worker processes)."""
+    `on_close` (e.g. stop the run's worker processes). Each runs even if one before it
+    raised (the error is raised once all have run)."""
     self._drop_started()
-    for agent in self.agents.values():
-      agent.close()
-    self.journal.close()
-    self.recorder.close()
-    for hook in self.on_close:
-      hook()
+    with contextlib.ExitStack() as stack:  # runs its callbacks last-in first-out
+      for close in [*(a.close for a in self.agents.values()), self.journal.close,
+                    self.recorder.close, *self.on_close][::-1]:
+        stack.callback(close)

@@ -3,7 +3,8 @@
 #   bash launchers/test.sh                the full suite (what CI, .ci/run, runs)
 #   bash launchers/test.sh quick          the quick tier: tests marked `quick` (pytest -m quick),
 #                                         one or more per test file, in about 3 minutes
-#   bash launchers/test.sh [quick] ARGS   more pytest arguments: -k NAME, -x, or test files
+#   bash launchers/test.sh [quick] ARGS   more pytest arguments: -k NAME, -x, -n 0 (one
+#                                         process), or test files
 #                                         (bash launchers/test.sh tests/test_grpo.py)
 # Without files it runs tests/ (pytest.ini's testpaths); docs/testing.md says more. Every run
 # prints the 15 slowest tests. The test tier is the base install, requirements-test.txt and
@@ -21,4 +22,7 @@ if [ "${1:-}" = quick ]; then
   shift
   tier=(-m quick)
 fi
-exec .venv/bin/python -m pytest -q --durations=15 ${tier[@]+"${tier[@]}"} "$@"
+# Two processes (pytest-xdist), a file's tests in one of them (its module fixtures are
+# built once); -n 0 in ARGS runs everything in this process.
+exec .venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadfile \
+  ${tier[@]+"${tier[@]}"} "$@"

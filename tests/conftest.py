@@ -83,3 +83,18 @@ def pytest_terminal_summary(terminalreporter):
                                 f'{len(tests)} not run. Fix: {fix}')
     for where in tests:
       terminalreporter.write_line(f'  {where}')
+
+
+# -- Slow files first ------------------------------------------------------------------------
+# launchers/test.sh runs the files on two processes (pytest-xdist, --dist loadfile: a file's
+# tests, and so its module fixtures, stay in one process). A slow file started last would
+# leave the other process idle at the end, so the slowest files (the durations test.sh
+# prints) are collected first; the rest keep their order.
+SLOW_FIRST = ('test_cluster.py', 'test_team_shapes.py', 'test_training_pool.py',
+              'test_benchmarks.py', 'test_lora.py', 'test_crash.py', 'test_fit_devices.py',
+              'test_real_model.py', 'test_lora_rollout.py', 'test_compile_cache.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept

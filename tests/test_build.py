@@ -176,3 +176,31 @@ def test_factories_without_a_training_pool_refuse_a_pooled_placement(tmp_path):
   with pytest.raises(ValueError, match='training pool.*no training_pool factory'):
     build_team(spec, pooled, factories, {n: TOK.pad_id for n in spec.agents}, RealClock())
   assert not made
+
+
+def test_every_part_is_closed_even_when_one_fails_or_the_restore_does(tmp_path):
+  """`close` runs every part's close (the store's, the `on_close` hooks that stop Ray's
+  workers) although an agent's raised; a run whose restore fails still closes them."""
+  config = two_agent_config(steps=2)
+  orch, _, _, _ = _build(config, str(tmp_path / 'a'), {})
+  closed = []
+  journal_close = orch.journal.close
+  orch.journal.close = lambda: (journal_close(), closed.append('journal'))
+  orch.on_close.append(lambda: closed.append('hook'))
+
+  def broken():
+    raise OSError('disk full')
+  orch.agents['solver'].close = broken
+  with pytest.raises(OSError, match='disk full'):
+    orch.close()
+  assert closed == ['journal', 'hook']
+
+  orch, _, _, _ = _build(config, str(tmp_path / 'b'), {})
+  orch.on_close.append(lambda: closed.append('after a failed restore'))
+
+  def no_restore(log):
+    raise RuntimeError('checkpoint unreadable')
+  orch.restore = no_restore
+  with pytest.raises(RuntimeError, match='unreadable'):
+    orch.run(lambda *_: None)
+  assert closed == ['journal', 'hook', 'after a failed restore']

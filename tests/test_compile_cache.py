@@ -15,7 +15,7 @@ ENV = {k: v for k, v in os.environ.items()
 ENV.update(PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
            XLA_FLAGS='--xla_force_host_platform_device_count=8')
 
-# A short run of the default experiment that counts JAX's loads from the cache.
+# A short run of a two-agent experiment that counts JAX's loads from the cache.
 RUN = '''
 import json, sys
 import jax
@@ -23,8 +23,8 @@ loads = []
 jax.monitoring.register_event_listener(
     lambda event, **_: loads.append(event) if event == '/jax/compilation_cache/cache_hits' else None)
 from flexmarl import run
-from experiments import hierarchical_assistant
-config = hierarchical_assistant.get_config('runlocal')
+from experiments import solver_verifier
+config = solver_verifier.get_config('runlocal')
 config.steps, config.compile_cache_dir = 2, sys.argv[1]
 orch = run.build(config, sys.argv[2], log=lambda *_: None)
 lines = [orch.run_step() for _ in range(2)]

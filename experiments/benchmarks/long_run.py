@@ -4,9 +4,10 @@
   .venv/bin/python experiments/benchmarks/long_run.py --quick               # a minute or two
 
 Runs the default experiment (hierarchical_assistant) and the three-agent one
-(planner_workers_judge) for `--factor` × their default steps (3 by default), each in a
-process of its own (so that each has its own resident memory), everything else as
-shipped (`--store_keep_steps` sets store retention). Reports per experiment:
+(planner_workers_judge) for `--factor` × their default steps (3 by default; `--steps`
+sets a number, `--experiments` picks them), each in a process of its own (so that each
+has its own resident memory), everything else as shipped (`--store_keep_steps` sets
+store retention). Reports per experiment:
 
 - per agent: exact-match accuracy per window of `--window` steps, the largest drop of the
   windowed accuracy below its best so far after it first passed 0.9, and the steps in
@@ -39,6 +40,9 @@ PASS = 0.9
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where the runs go (default: a temporary '
                                'folder). A workdir with checkpoints resumes them.')
 _FACTOR = flags.DEFINE_integer('factor', 3, "Steps: this many times each experiment's default.")
+_STEPS = flags.DEFINE_integer('steps', 0, 'Steps of each experiment (0: --factor × its default).')
+_EXPERIMENTS = flags.DEFINE_multi_enum('experiments', list(EXPERIMENTS), EXPERIMENTS,
+                                       'The experiments to run, in this order.')
 _WINDOW = flags.DEFINE_integer('window', 500, 'Steps per accuracy window.')
 _KEEP = flags.DEFINE_integer('store_keep_steps', 0, 'config.store_keep_steps (0: every row).')
 _QUICK = flags.DEFINE_bool('quick', False, 'A check that it runs: 12 steps, windows of 4.')
@@ -69,7 +73,7 @@ def _rss_mb() -> float:
 def _config(name: str):
   module = __import__(f'experiments.{name}', fromlist=['get_config'])
   config = module.get_config()
-  config.steps = 12 if _QUICK.value else _FACTOR.value * config.steps
+  config.steps = 12 if _QUICK.value else _STEPS.value or _FACTOR.value * config.steps
   if _QUICK.value:
     config.checkpoint_every = 4
   if _KEEP.value:
@@ -163,8 +167,9 @@ def main(argv) -> None:
       json.dump(result, f)
     return
   results = []
-  for name in EXPERIMENTS:
-    flags_through = [f'--{f.name}={f.value}' for f in (_FACTOR, _KEEP, _QUICK, _TRACEMALLOC)]
+  for name in _EXPERIMENTS.value:
+    flags_through = [f'--{f.name}={f.value}'
+                     for f in (_FACTOR, _STEPS, _KEEP, _QUICK, _TRACEMALLOC)]
     subprocess.run([sys.executable, os.path.abspath(__file__), f'--only={name}',
                     f'--workdir={workdir}', *flags_through], check=True, cwd=ROOT)
     folder = os.path.join(workdir, name)

@@ -1,5 +1,5 @@
 """A simulated team: a paper setup (experiments/sim/*.py) → a TeamSpec, a placement and
-`team.Agent`s whose trainers and rollout instances are simulated, so the real
+`agent.Agent`s whose trainers and rollout instances are simulated, so the real
 `JointOrchestrator`, schedules, rollout engine, balancer and batch builders run in
 simulated time.
 

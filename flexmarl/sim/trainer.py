@@ -1,4 +1,4 @@
-"""A simulated trainer: what `team.Agent` uses of `AgentTrainer`, answered in simulated time.
+"""A simulated trainer: what `agent.Agent` uses of `AgentTrainer`, answered in simulated time.
 
 Each operation (a micro-batch's forward/backward, an optimizer step) occupies the
 device group the trainer is on for a cost-model duration. Operations on one group run
