@@ -69,7 +69,8 @@ class Chain:
                   episode: Episode) -> list[Completion]:
     answers = await agent.generate(prompt)
     for c in answers:
-      episode.score(c, tasks.partial_credit(c.text, truth), correct=c.text == truth)
+      episode.score(c, tasks.partial_credit(c.text, truth), correct=c.text == truth,
+                    expected=truth)
     return answers
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:

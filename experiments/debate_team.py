@@ -62,7 +62,7 @@ class Debate:
         answers = await agents[speaker].generate(f'{transcript}=')
         for c in answers:
           episode.score(c, tasks.partial_credit(c.text, query.answer),
-                        correct=c.text == query.answer)
+                        correct=c.text == query.answer, expected=query.answer)
         transcript += f'|{_claim(answers, query.answer)}'
     return episode
 

@@ -79,7 +79,8 @@ class PlannerWorkersJudge:
 
   def _score(self, episode: Episode, answers: Sequence[Completion], truth: str) -> None:
     for c in answers:
-      episode.score(c, tasks.partial_credit(c.text, truth), correct=c.text == truth)
+      episode.score(c, tasks.partial_credit(c.text, truth), correct=c.text == truth,
+                    expected=truth)
 
   async def _work(self, agents: Mapping[str, AgentClient], plan: str, x: int,
                   episode: Episode) -> int:

@@ -3,7 +3,8 @@
   python -m flexmarl.plot WORKDIR [--steps=3,4] [--smooth=N]
 
 reads WORKDIR/metrics.jsonl and WORKDIR/trace.json and writes into WORKDIR/plots/:
-  learning.png      reward_mean and accuracy per agent over steps ('team' dashed): a moving
+  learning.png      reward_mean, accuracy, accuracy above the best constant answer's and
+                    held-out accuracy per agent over steps ('team' dashed): a moving
                     mean over --smooth steps (default: about 1/25 of the run), the raw
                     per-step values faint behind it
   utilization.png   busy share per device group over the run, and per step
@@ -27,7 +28,8 @@ from flexmarl.metrics import utilization as ut  # pylint: disable=g-import-not-a
 from flexmarl.metrics.spans import TRACE_FILE, Span, load_spans
 from flexmarl.metrics.writer import TEAM, read_metrics
 
-CURVES = ('reward_mean', 'accuracy', 'eval_accuracy')  # eval: held-out, greedy
+# above_constant: accuracy minus the best constant answer's; eval: held-out, greedy
+CURVES = ('reward_mean', 'accuracy', 'above_constant', 'eval_accuracy')
 
 
 def auto_window(points: int) -> int:

@@ -193,10 +193,14 @@ def train(config, workdir: str, workflow=None, log=print, experiment: str | None
 
 
 def format_summary(summary: dict) -> str:
-  rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22} {'updates':>8}"]
+  rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22} "
+          f"{'updates':>8} {'best constant':>14}"]
   for name, s in summary['agents'].items():
+    constant = (f"{s['last_best_constant']:>14.2f}" if 'last_best_constant' in s
+                else f"{'-':>14}")
     rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
-                f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8}")
+                f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8} "
+                f"{constant}")
   for name, e in summary.get('eval', {}).items():
     rows.append(f"{name:<12} held-out greedy accuracy {e['first_accuracy']:.2f} (step "
                 f"{e['first_step']}) → {e['last_accuracy']:.2f} (step {e['last_step']})")

@@ -1,9 +1,11 @@
 """How an agent's rows become batches: BatchBuilder (on-policy) and StaleBuffer (async:k)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer
+from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer, batch_stats, skill_stats
 from flexmarl.data.records import ServedGroup
 
 
@@ -39,3 +41,43 @@ def test_stale_buffer_drops_rows_past_the_bound_and_keeps_the_rest():
 def test_a_group_larger_than_the_batch_is_refused(buffer):
   with pytest.raises(ValueError, match=r"'solver'.*generate\(n=16\).*global_batch=8.*raise"):
     buffer.add(_group(0, 16))
+
+
+def _scored(query: int, expected: str, correct: list[float]) -> Group:
+  g = _group(query, len(correct))
+  return dataclasses.replace(g, correct=np.array(correct, np.float32), expected=expected)
+
+
+def test_a_constant_answer_scores_its_share_and_no_skill():
+  """A verifier that always says 'y', on calls whose right verdict is 'y' 3 times in 4:
+  accuracy 0.75 = the best constant's, nothing above it, balanced accuracy 1/2. One that
+  is right on every call stands 0.25 above it, balanced 1."""
+  truths = ['y', 'y', 'y', 'n']
+  constant = [_scored(q, t, [float(t == 'y')] * 4) for q, t in enumerate(truths)]
+  stats = batch_stats(constant)
+  assert stats['accuracy'] == 0.75 and stats['best_constant'] == 0.75
+  assert stats['above_constant'] == 0.0 and stats['balanced_accuracy'] == 0.5
+  right = batch_stats([_scored(q, t, [1.0] * 4) for q, t in enumerate(truths)])
+  assert right['above_constant'] == 0.25 and right['balanced_accuracy'] == 1.0
+  # Rows weigh by count (a group of 2 'n' against 2 groups of 4 'y'); without expected
+  # answers there is no skill figure.
+  mixed = skill_stats([_scored(0, 'y', [1, 1, 1, 1]), _scored(1, 'y', [1, 0, 1, 0]),
+                       _scored(2, 'n', [0, 0])])
+  assert mixed['best_constant'] == 0.8 and mixed['above_constant'] == pytest.approx(0.6 - 0.8)
+  assert mixed['balanced_accuracy'] == pytest.approx((0.75 + 0.0) / 2)
+  assert skill_stats([_group(0, 4)]) == {} and 'best_constant' not in batch_stats([_group(0, 4)])
+
+
+def test_a_call_scored_with_two_expected_answers_is_refused():
+  from flexmarl.data.groups import groups_of
+  from flexmarl.data.records import EpisodeResult
+  from flexmarl.workflows.base import Completion, Episode, Query
+  g = _group(0, 2)
+  episode = Episode()
+  for sid, truth in zip(g.served.sample_ids, ['3', '4']):
+    episode.score(Completion(sid, 'solver', '3', 0), 1.0, True, expected=truth)
+  result = EpisodeResult(Query('q0', '1+2'), 0, [g.served], episode)
+  with pytest.raises(ValueError, match=r"different expected answers \['3', '4'\]"):
+    groups_of(result, {'solver': True})
+  episode.expected[g.served.sample_ids[1]] = '3'
+  assert groups_of(result, {'solver': True})['solver'][0].expected == '3'

@@ -74,6 +74,14 @@ def test_workdir_contract(run):
     assert json.load(f) == json.loads(json.dumps(summary))
   assert set(summary['agents']) == {'solver', 'verifier'}
   assert summary['tokens_per_s'] > 0
+  # The workflow gives expected answers: each update's line weighs the accuracy against
+  # the best constant answer's, and the summary keeps its last window.
+  for l in lines:
+    if l['agent'] != 'team' and l['updated']:
+      assert 0 < l['best_constant'] <= 1, l
+      assert l['above_constant'] == pytest.approx(l['accuracy'] - l['best_constant'], abs=1e-6)
+  for agent in ('solver', 'verifier'):
+    assert 0 < summary['agents'][agent]['last_best_constant'] <= 1
   for agent in ('solver', 'verifier'):
     ckpts = os.listdir(os.path.join(workdir, 'checkpoints', agent))
     assert str(STEPS) in ckpts, ckpts

@@ -188,3 +188,23 @@ def test_runlocal_trains_every_agent(name, tmp_path):
   agents = build_workflow(config.workflow).agent_names()
   assert {a: updated[a] for a in agents} == dict.fromkeys(agents, 2)
   assert all(np.isfinite(l['entropy']) for l in lines if l['agent'] in agents and l.get('updated'))
+
+
+def test_the_suite_fails_a_constant_verifier_and_passes_a_skilled_one(tmp_path):
+  """A verifier that always says 'y' is right as often as 'y' is the truth (0.94 here):
+  above 0.9, yet no skill; the suite's verdict reads its run's best constant and fails
+  it. One right 0.97 of the time on calls that are 'y' half the time passes."""
+  import json
+  lines = []
+  for step in range(1, 101):
+    lines.append(dict(step=step, agent='verifier', updated=1, accuracy=0.94, zero_spread=1.0,
+                      entropy=0.01, best_constant=0.94, above_constant=0.0,
+                      balanced_accuracy=0.5))
+    lines.append(dict(step=step, agent='solver', updated=1, accuracy=0.97, zero_spread=0.1,
+                      entropy=0.5, best_constant=0.5, above_constant=0.47,
+                      balanced_accuracy=0.97))
+  (tmp_path / 'metrics.jsonl').write_text('\n'.join(json.dumps(l) for l in lines))
+  result = robustness.report(str(tmp_path), {})
+  assert result['verifier']['end_accuracy'] == pytest.approx(0.94)
+  assert result['verifier']['verdict'] != 'pass' and result['solver']['verdict'] == 'pass'
+  assert robustness.verdict(dict(end_above_constant=-0.1)) == 'below constant'

@@ -14,8 +14,11 @@ Shapes, each an existing experiment with its per-team tuning removed:
 - chain: three agents, each working on the previous one's answer (sum, 8 - x, a letter);
 - router_six: a router and six specialists, Zipf 0.6 (the rarest gets 10% of the queries).
 
-Per agent: the best constant answer's exact-match rate, the accuracy at the end (mean
-over the last 5% of its updates), the first step where a 10-update mean passes 0.9,
+Per agent: the best constant answer's exact-match rate (enumerated over the task
+distribution, and as the run measured it on its own calls: `best_constant` in its
+metrics), the accuracy at the end (mean over the last 5% of its updates), how far it is
+above the best constant and the balanced accuracy there, the verdict ('pass': at least
+ABOVE = 0.3 above its best constant; 'below constant'; 'weak' between), the first step where a 10-update mean passes 0.9,
 the policy entropy at the end (same window), the entropy bonus at the end (its mean
 per token after the error weights), stall warnings and intervention lines. `--quick`:
 one seed, short runs (a smoke test of the suite, not a verdict). `--grpo` / `--optimizer`
@@ -54,6 +57,7 @@ _ANALYZE = flags.DEFINE_string('analyze', '', 'Only report on this finished run 
 
 END_FRACTION = 0.05  # the end: the last 5% of an agent's updates
 PASS, PASS_WINDOW = 0.9, 10
+ABOVE = 0.3  # the pass mark: end accuracy at least this far above the best constant's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +133,13 @@ def agent_report(lines: list[dict], agent: str) -> dict:
   end = max(1, int(math.ceil(END_FRACTION * len(mine))))
   rolling = np.convolve(np.nan_to_num(acc), np.ones(PASS_WINDOW) / PASS_WINDOW, 'valid')
   passed = np.flatnonzero(rolling >= PASS)
+  def end_mean(key: str) -> float:
+    known = [l[key] for l in mine[-end:] if not math.isnan(l.get(key, math.nan))]
+    return float(np.mean(known)) if known else math.nan
   return dict(
       updates=len(mine), end_accuracy=float(np.nanmean(acc[-end:])),
+      end_best_constant=end_mean('best_constant'), end_above_constant=end_mean('above_constant'),
+      end_balanced_accuracy=end_mean('balanced_accuracy'),
       first_pass_step=int(mine[passed[0] + PASS_WINDOW - 1]['step']) if passed.size else None,
       end_entropy=float(np.mean([l['entropy'] for l in mine[-end:]])),
       end_entropy_bonus=float(np.mean([l.get('entropy_bonus', math.nan) for l in mine[-end:]])))
@@ -163,8 +172,21 @@ def report(workdir: str, constants: dict[str, float | str]) -> dict:
       judged = max(rate, 1.0 - rate)
     r['best_constant'] = judged
     r['stall_warnings'], r['interventions'] = watch_counts(lines, agent)
+    r['verdict'] = verdict(r)
     out[agent] = r
   return out
+
+
+def verdict(r: dict) -> str:
+  """'pass': at the end, at least ABOVE over its best constant answer, as measured in the
+  run (or, for a workflow that gives no expected answers, as enumerated offline); 'below
+  constant': under it; 'weak' between."""
+  above = r.get('end_above_constant', math.nan)
+  if math.isnan(above) and isinstance(r.get('best_constant'), float):
+    above = r.get('end_accuracy', math.nan) - r['best_constant']
+  if math.isnan(above):
+    return '–'
+  return 'pass' if above >= ABOVE else 'below constant' if above < 0 else 'weak'
 
 
 def _row(shape: str, seed, agent: str, r: dict) -> str:
@@ -175,13 +197,16 @@ def _row(shape: str, seed, agent: str, r: dict) -> str:
   def g(x):
     return '–' if x is None or math.isnan(x) else f'{x:.2g}'
   return (f"| {shape} | {seed} | {agent} | {f(r.get('best_constant'))} | "
-          f"{f(r.get('end_accuracy'))} | {f(r.get('first_pass_step'))} | "
+          f"{f(r.get('end_best_constant'))} | {f(r.get('end_accuracy'))} | "
+          f"{f(r.get('end_above_constant'))} | {f(r.get('end_balanced_accuracy'))} | "
+          f"{r.get('verdict', '–')} | {f(r.get('first_pass_step'))} | "
           f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_bonus'))} | "
           f"{r.get('stall_warnings', '–')} | {r.get('interventions', '–')} |")
 
 
-HEADER = ('| shape | seed | agent | best constant | end accuracy | first ≥0.9 | end entropy '
-          '| end bonus | stall warnings | interventions |\n' + '|---' * 10 + '|')
+HEADER = ('| shape | seed | agent | best constant (enumerated) | best constant (run) | end '
+          'accuracy | above constant | balanced accuracy | verdict | first ≥0.9 | end entropy '
+          '| end bonus | stall warnings | interventions |\n' + '|---' * 14 + '|')
 
 
 def main(argv):

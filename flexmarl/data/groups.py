@@ -27,6 +27,7 @@ class Group:
   rewards: np.ndarray
   advantages: np.ndarray  # fixed once the group is complete, before any gradient
   correct: np.ndarray  # 1.0 / 0.0 per sample, NaN where the workflow did not say
+  expected: str | None = None  # the right answer to the call, where the workflow said
 
   @property
   def size(self) -> int:
@@ -43,7 +44,13 @@ def groups_of(result: EpisodeResult, normalize_std: Mapping[str, bool]
     correct = np.array([float(result.episode.correct[s]) if s in result.episode.correct
                         else np.nan for s in served.sample_ids], np.float32)
     adv = grpo.group_advantages(rewards, len(rewards), normalize_std[served.agent])
-    out[served.agent].append(Group(served, rewards, adv, correct))
+    expected = {result.episode.expected[s] for s in served.sample_ids
+                if s in result.episode.expected}
+    if len(expected) > 1:
+      raise ValueError(f'query {served.query_id}, agent {served.agent!r}: the samples of one '
+                       f'call were scored with different expected answers {sorted(expected)}; '
+                       'give every sample of a call the same expected answer.')
+    out[served.agent].append(Group(served, rewards, adv, correct, next(iter(expected), None)))
   return out
 
 
@@ -145,8 +152,9 @@ class StaleBuffer:
 
 
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
-  """Reward mean/std and exact-match accuracy over the rows of `groups`, and the fraction
-  of groups whose rewards are all equal (they teach GRPO nothing)."""
+  """Reward mean/std and exact-match accuracy over the rows of `groups`, the fraction
+  of groups whose rewards are all equal (they teach GRPO nothing) and, where the workflow
+  gave expected answers, the accuracy against a constant answer's (`skill_stats`)."""
   if not groups:
     return dict(reward_mean=math.nan, reward_std=math.nan, accuracy=math.nan,
                 zero_spread=math.nan)
@@ -155,4 +163,30 @@ def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
   known = correct[~np.isnan(correct)]
   return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
               accuracy=float(known.mean()) if known.size else math.nan,
-              zero_spread=grpo.zero_spread_fraction(g.rewards for g in groups))
+              zero_spread=grpo.zero_spread_fraction(g.rewards for g in groups),
+              **skill_stats(groups))
+
+
+def skill_stats(groups: Sequence[Group]) -> dict[str, float]:
+  """Over the rows whose call has an expected answer: `best_constant`, the accuracy of
+  the one answer that is right most often (what an agent that always says it would
+  score); `above_constant`, the agent's accuracy on those rows minus it; and
+  `balanced_accuracy`, the mean over expected answers of the accuracy on their rows (a
+  constant scores 1 / their number). {} without expected answers.
+
+  An agent above its best constant has learned something about its input; at it, it may
+  have collapsed onto the likeliest answer. Over one batch the best constant is measured
+  on few calls, so it errs high (the largest of noisy shares): a conservative bar."""
+  rows: dict[str, list[np.ndarray]] = {}
+  for g in groups:
+    if g.expected is not None:
+      rows.setdefault(g.expected, []).append(g.correct)
+  if not rows:
+    return {}
+  by_answer = {a: np.concatenate(cs) for a, cs in rows.items()}
+  best = max(len(c) for c in by_answer.values()) / sum(len(c) for c in by_answer.values())
+  every = np.concatenate(list(by_answer.values()))
+  recall = [float(np.nanmean(c)) for c in by_answer.values() if not np.isnan(c).all()]
+  return dict(best_constant=best,
+              above_constant=(float(np.nanmean(every)) - best if recall else math.nan),
+              balanced_accuracy=float(np.mean(recall)) if recall else math.nan)

@@ -22,9 +22,14 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
   return f"step {step}/{steps} [{team['step_time_s']:.2f}s, {team['tokens_per_s']:.0f} tok/s]  {agents}"
 
 
+# Accuracy against a constant answer's (flexmarl.data.groups.skill_stats), where given.
+SKILL = ('best_constant', 'above_constant', 'balanced_accuracy')
+
+
 def _mean(lines: list[dict], key: str) -> float:
-  """Mean of `key` over `lines`, NaN values left out; NaN if none is known."""
-  known = [l[key] for l in lines if not math.isnan(l[key])]
+  """Mean of `key` over `lines`, NaN values (and lines without it) left out; NaN if
+  none is known."""
+  known = [l[key] for l in lines if not math.isnan(l.get(key, math.nan))]
   return float(np.mean(known)) if known else math.nan
 
 
@@ -44,6 +49,8 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
         'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
         'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
         'updates': len(mine)}
+    if any('best_constant' in l for l in last):  # the workflow gave expected answers
+      summary['agents'][agent].update({f'last_{key}': _mean(last, key) for key in SKILL})
   if evals:  # held-out greedy accuracy at the first evaluation and at the last
     for agent in sorted({l['agent'] for l in evals}):
       mine = sorted((l for l in evals if l['agent'] == agent), key=lambda l: l['step'])

@@ -40,13 +40,19 @@ class Completion:
 
 @dataclasses.dataclass
 class Episode:
-  """What a workflow returns: a reward (and optionally exactness) per completion."""
+  """What a workflow returns: a reward per completion, and optionally whether it is
+  exactly right and what the right answer to its call was."""
 
   rewards: dict[str, float] = dataclasses.field(default_factory=dict)
   correct: dict[str, bool] = dataclasses.field(default_factory=dict)
+  expected: dict[str, str] = dataclasses.field(default_factory=dict)
 
-  def score(self, completion: Completion, reward: float, correct: bool | None = None) -> None:
-    """Give `completion` its reward (a finite number), once."""
+  def score(self, completion: Completion, reward: float, correct: bool | None = None,
+            expected: str | None = None) -> None:
+    """Give `completion` its reward (a finite number), once. `expected`: the right
+    answer to the call that sampled it (the same for every sample of one call), where the
+    task has one; the run then weighs the agent's accuracy against the best constant
+    answer's (`best_constant`, `balanced_accuracy` in its metrics)."""
     sid = getattr(completion, 'sample_id', None)
     if not isinstance(completion, Completion):
       raise TypeError(f'episode.score({completion!r}, ...): pass a Completion that '
@@ -57,6 +63,8 @@ class Episode:
     self.rewards[sid] = reward_value(reward, sid)
     if correct is not None:
       self.correct[sid] = bool(correct)
+    if expected is not None:
+      self.expected[sid] = str(expected)
 
 
 def ordered_pairs(field: str, value: Any) -> list[tuple[str, Any]]:

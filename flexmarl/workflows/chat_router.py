@@ -105,7 +105,7 @@ class ChatRouter:
       if not right and len(words) > 1:  # read the answer off its last word
         last = task.score(words[-1].rstrip('.'), split, index)
         score, right = max(score, self.format_credit * last), last >= 1.0
-      episode.score(c, score, correct=right)
+      episode.score(c, score, correct=right, expected=str(task.entry(split, index)['answer']))
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     episode = Episode()
@@ -118,6 +118,6 @@ class ChatRouter:
     if query.meta['split'] == 'train' and self.train_routing == 'owner':
       chosen = target
     for c, name in zip(routes, named):
-      episode.score(c, float(name == target), correct=name == target)
+      episode.score(c, float(name == target), correct=name == target, expected=target)
     await self._solve(agents[chosen], query, episode)
     return episode

@@ -69,7 +69,7 @@ class HierarchicalAssistant:
     answers = await agent.generate(f'{query.prompt}=')
     rewards = [tasks.partial_credit(c.text, query.answer) for c in answers]
     for c, r in zip(answers, rewards):
-      episode.score(c, r, correct=c.text == query.answer)
+      episode.score(c, r, correct=c.text == query.answer, expected=query.answer)
     return float(np.mean(rewards))
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
@@ -94,5 +94,5 @@ class HierarchicalAssistant:
       # (only an exact index is acted on; the credit teaches the router to stop).
       reward = (tasks.partial_credit(c.text, target) if self.router_reward == 'routing'
                 else outcome.get(choice, 0.0))
-      episode.score(c, reward, correct=right)
+      episode.score(c, reward, correct=right, expected=target)
     return episode

@@ -29,5 +29,6 @@ class SingleTask:
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     episode = Episode()
     for c in await agents[self.agent].generate(f'{query.prompt}='):
-      episode.score(c, tasks.partial_credit(c.text, query.answer), correct=c.text == query.answer)
+      episode.score(c, tasks.partial_credit(c.text, query.answer), correct=c.text == query.answer,
+                    expected=query.answer)
     return episode

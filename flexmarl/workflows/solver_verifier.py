@@ -37,12 +37,14 @@ class SolverVerifier:
     truth = 'y' if answer.text == query.answer else 'n'
     for verdict in await agents[self.verifier].generate(f'{query.prompt}={answer.text}?'):
       right = verdict.text == truth
-      episode.score(verdict, tasks.partial_credit(verdict.text, truth), correct=right)
+      episode.score(verdict, tasks.partial_credit(verdict.text, truth), correct=right,
+                    expected=truth)
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     episode = Episode()
     answers = await agents[self.solver].generate(f'{query.prompt}=')
     for a in answers:
-      episode.score(a, tasks.partial_credit(a.text, query.answer), correct=a.text == query.answer)
+      episode.score(a, tasks.partial_credit(a.text, query.answer), correct=a.text == query.answer,
+                    expected=query.answer)
     await asyncio.gather(*[self._verify(agents, query, a, episode) for a in answers])
     return episode
