@@ -7,7 +7,7 @@ import pytest
 from flexmarl.errors import ConfigError
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
-from flexmarl.train import grpo, pool, sizing
+from flexmarl.train import grpo, pool_meshes, sizing
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig
 
@@ -91,8 +91,8 @@ def test_pool_checks_name_the_field_and_the_fix():
 
 
 def test_carve_gives_disjoint_meshes_or_refuses():
-  meshes = pool.carve(jax.devices()[:8], [T22, F2, F2])
+  meshes = pool_meshes.carve(jax.devices()[:8], [T22, F2, F2])
   assert [m.axis_names for m in meshes] == [('fsdp', 'tensor'), ('fsdp',), ('fsdp',)]
   assert sum(m.size for m in meshes) == len({d for m in meshes for d in m.devices.flat}) == 8
   with pytest.raises(ConfigError, match=r'training\.meshes.*need 10 devices.*has 8'):
-    pool.carve(jax.devices()[:8], [T22, T22, F2])
+    pool_meshes.carve(jax.devices()[:8], [T22, T22, F2])

@@ -182,6 +182,8 @@ def test_every_part_is_closed_even_when_one_fails_or_the_restore_does(tmp_path):
   """`close` runs every part's close (the store's, the `on_close` hooks that stop Ray's
   workers) although an agent's raised; a run whose restore fails still closes them."""
   config = two_agent_config(steps=2)
+  for run in ('a', 'b'):
+    (tmp_path / run).mkdir()
   orch, _, _, _ = _build(config, str(tmp_path / 'a'), {})
   closed = []
   journal_close = orch.journal.close

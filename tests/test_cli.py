@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
+from conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-           XLA_FLAGS='--xla_force_host_platform_device_count=8')
+           XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}')
 
 # A user's workflow in their own module, and an experiment file that names it.
 FLOWS = '''

@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # As a user's shell has it: no cache that JAX was given already (the test session's).
 ENV = {k: v for k, v in os.environ.items()
        if k not in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')}
 ENV.update(PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-           XLA_FLAGS='--xla_force_host_platform_device_count=8')
+           XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}')
 
 # A short run of a two-agent experiment that counts JAX's loads from the cache.
 RUN = '''

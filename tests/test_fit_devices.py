@@ -18,6 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
 AGENTS = ('router', 'reverser', 'sorter', 'adder')
@@ -54,7 +56,7 @@ def cache(tmp_path_factory):
 
 def _run_both(workdir, devices: int, cache: str) -> str:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE}',
              JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   for name in ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION'):
@@ -104,7 +106,7 @@ def test_default_experiment_fits_fewer_devices(tmp_path, cache, devices):
 @pytest.mark.quick
 def test_strict_placement_refuses_too_few_devices(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+             XLA_FLAGS=f'--xla_force_host_platform_device_count=1 {FAST_COMPILE}')
   out = subprocess.run(
       [sys.executable, '-m', 'flexmarl.main', '--config=experiments/hierarchical_assistant.py',
        f'--workdir={tmp_path}/run', '--config.placement=strict'], cwd=ROOT, env=env,

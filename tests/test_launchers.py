@@ -35,7 +35,7 @@ VLLM = [f'pip install -q {EXTRA} -r requirements-vllm.txt',
         'pip uninstall -y -q torchvision torchaudio torchcodec triton']
 REAL = [f'pip install -q {EXTRA} -r requirements-real.txt',
         f'pip install -q {EXTRA} --no-deps -r requirements-real-nodeps.txt']
-PYTEST = 'python -m pytest -q --durations=15'
+PYTEST = 'python -m pytest -q --durations=15 -n 2 --dist loadfile'
 FILES = ('requirements.txt', 'requirements-test.txt', 'requirements-vllm.txt',
          'requirements-vllm-gpu.txt', 'requirements-real.txt', 'requirements-real-nodeps.txt',
          'setup.py')
@@ -76,7 +76,7 @@ def test_the_readme_commands_share_one_venv_a_tier_at_a_time(tmp_path):
   assert out.returncode == 0, out.stderr
   assert calls == [*TEST, *VLLM, *REAL, f'{PYTEST} tests/test_x.py -k x']  # base: there
   out, calls = _run(repo, bin_dir, 'test.sh', 'quick', '-x')
-  assert calls == ['python -m pytest -q --durations=15 -m quick -x']  # complete
+  assert calls == [f'{PYTEST} -m quick -x']  # complete
   out, calls = _run(repo, bin_dir, 'local.sh')
   assert calls == ['python -m flexmarl.main --config=experiments/hierarchical_assistant.py '
                    '--workdir=runs/hierarchical_assistant']

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from flexmarl import memory
 from flexmarl.agent_spec import AgentSpec
 from flexmarl.config import ConfigError, agent_config, build_team_spec
 from flexmarl.export import export
@@ -24,7 +25,7 @@ from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.run import build, train
 from flexmarl.tokenizer import load_tokenizer
-from flexmarl.train import shared_base, grpo, sizing
+from flexmarl.train import grpo, shared_base, sizing
 from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.state import InStorage, OnHost
@@ -345,7 +346,7 @@ def test_a_built_team_shares_its_base_and_says_what_it_holds(tmp_path):
   c = _lora_team(steps=2)
   c.agents.critic = agent_config('tiny', group_size=2, global_batch=8, micro_batch=8)
   spec = build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
-  text = sizing.describe_memory(spec.agents, spec.placement, spec.seed)
+  text = memory.describe_memory(spec.agents, spec.placement, spec.seed)
   assert 'shared by solver, verifier' in text and 'critic' in text and '(full model)' in text
   orchestrator = build(_lora_team(steps=2), str(tmp_path / 'run'), log=lambda *_: None)
   solver, verifier = (orchestrator.agents[n].trainer for n in ('solver', 'verifier'))

@@ -6,6 +6,7 @@ task source's reward wiring and held-out split, held-out evaluation."""
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -216,3 +217,57 @@ def test_chat_team_trains_evaluates_and_resumes(tmp_path):
     for k in ('eval_accuracy', 'eval_reward', 'reward_mean', 'loss'):
       if k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f'{k} {a}')
+
+
+def _real_decoder(dtype: str):
+  cfg = hf.model_config_from_hf(MODEL, dtype=dtype)
+  graphdef, abstract = hf.abstract_params(cfg)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
+                                                   transformer.nnx.to_pure_dict(abstract)))
+  transformer.nnx.replace_by_pure_dict(abstract, params)
+  return transformer.nnx.merge(graphdef, abstract)
+
+
+# bf16 parameters and compute (`model.dtype='bfloat16'`) against fp32, on real answers:
+# the stated bounds (measured 2026-12-05: 0.029, 0.002 and 0.035).
+BF16_LOGPROB_BOUND = 0.1  # mean |Δ logprob| over the answer tokens
+BF16_NLL_BOUND = 0.05  # |Δ| of the answers' mean negative log-likelihood
+BF16_GRPO_BOUND = 0.1  # mean |Δ| of the GRPO loss per token, over mean |its fp32 value|
+
+
+def test_bf16_compute_moves_the_first_batch_loss_within_its_bound(tokenizer):
+  """The first batch of a chat team, in bf16 and in fp32: prompts from the chat template,
+  answers as a run samples them (right, wrong, prose), GRPO advantages of a group. The
+  fp32 logprobs are the sampler's (behaviour). The GRPO loss of an on-policy batch sums
+  to about 0 whatever the dtype (advantages are centred); what bf16 changes is each
+  token's term, the weight of its gradient: that is bounded, with the answers' NLL."""
+  from flexmarl.train import grpo
+  from flexmarl.train.spec import GRPOConfig
+  prompt = tokenizer.encode_prompt(MESSAGES[0])
+  answers = ['12', '13', '7 + 5 = 12', 'The answer is 12.']
+  rows = [prompt + tokenizer.hf.encode(a, add_special_tokens=False).ids + [tokenizer.eos_id]
+          for a in answers]
+  width = max(map(len, rows))
+  x = np.array([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
+  valid = np.array([[i < len(r) for i in range(width)] for r in rows])
+  targets, mask = x[:, 1:], valid[:, 1:] & (np.arange(1, width) >= len(prompt))[None]
+  advantages = jnp.asarray(grpo.group_advantages(np.array([1.0, 0.0, 0.8, 0.8], np.float32),
+                                                 4))
+  out = {}
+  for dtype in ('float32', 'bfloat16'):
+    logits, _ = _real_decoder(dtype)(x, np.maximum(np.cumsum(valid, 1) - 1, 0), valid)
+    out[dtype] = grpo.token_logprobs(jnp.asarray(logits, jnp.float32)[:, :-1], targets)
+  sampler = out['float32'][0]
+  terms = {dtype: np.asarray(grpo.grpo_token_loss(logp, sampler, advantages, entropy, None,
+                                                  GRPOConfig(), 0.0))[mask]
+           for dtype, (logp, entropy) in out.items()}
+  logp = {dtype: np.asarray(lp)[mask] for dtype, (lp, _) in out.items()}
+  delta = np.abs(logp['bfloat16'] - logp['float32']).mean()
+  nll = abs(logp['bfloat16'].mean() - logp['float32'].mean())
+  grpo_delta = (np.abs(terms['bfloat16'] - terms['float32']).mean()
+                / np.abs(terms['float32']).mean())
+  print(f'bf16 vs fp32: mean |Δ logprob| {delta:.4f}, |Δ NLL| {nll:.4f}, '
+        f'GRPO terms {grpo_delta:.4f} of their size')
+  assert 0 < delta <= BF16_LOGPROB_BOUND  # > 0: the bf16 model did compute in bf16
+  assert nll <= BF16_NLL_BOUND and grpo_delta <= BF16_GRPO_BOUND

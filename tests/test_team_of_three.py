@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
+from conftest import FAST_COMPILE
 from experiments import team_of_three
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=8')
+ENV = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}')
 
 
 @pytest.mark.quick
