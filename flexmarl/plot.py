@@ -70,7 +70,8 @@ def plot_learning(lines: list[dict], path: str, window: int = 0) -> None:
           ax.plot(steps, values, style, label=agent)
     ax.set(title=key, xlabel='step')
     ax.grid(alpha=0.3)
-    ax.legend(fontsize='small')
+    if ax.get_legend_handles_labels()[0]:  # a curve no line has stays empty
+      ax.legend(fontsize='small')
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
