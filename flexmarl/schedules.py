@@ -36,7 +36,7 @@ from typing import ContextManager, Protocol
 
 from flexmarl.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
-from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer, batch_stats
+from flexmarl.data.groups import BatchBuilder, ConstantBaseline, Group, StaleBuffer, batch_stats
 from flexmarl.interfaces import Stats
 
 Lines = dict[str, dict[str, float]]
@@ -104,9 +104,10 @@ class Schedule(Protocol):
 
 class Buffered:
   """Each agent's buffer of served rows not yet trained on; a checkpoint carries what
-  the buffers keep."""
+  the buffers keep. `baseline` weighs each line's accuracy against a constant answer's."""
 
   buffers: dict[str, BatchBuilder | StaleBuffer]
+  baseline: ConstantBaseline
 
   def carried(self) -> dict[str, list[Group]]:
     return {n: list(b.kept) for n, b in self.buffers.items()}
@@ -124,6 +125,7 @@ class Sync(Buffered):
   def __init__(self, agents: Mapping[str, AgentSpec]):
     self.agents = dict(agents)
     self.buffers = {n: self.new_buffer(a) for n, a in self.agents.items()}
+    self.baseline = ConstantBaseline()
 
   @staticmethod
   def new_buffer(spec: AgentSpec) -> BatchBuilder:
@@ -161,7 +163,8 @@ class Sync(Buffered):
     stats = {name: finish() for name, finish in finishes.items()}
     lines: Lines = {}
     for name, builder in self.buffers.items():
-      line = dict(batch_stats(builder.kept), policy_version=versions[name],
+      line = dict(batch_stats(builder.kept), **self.baseline.stats(name, builder.kept),
+                  policy_version=versions[name],
                   tokens=rollout.tokens[name], rows=builder.kept_rows,
                   updated=int(name in stats), early_micro_batches=early[name],
                   filtered_rows=builder.filtered_rows)
@@ -222,6 +225,7 @@ class Async(Buffered):
     self.buffers = {n: StaleBuffer(a.global_batch, a.micro_batch // a.group_size,
                                    max_staleness, a.grpo.dynamic_sampling)
                     for n, a in self.agents.items()}
+    self.baseline = ConstantBaseline()
 
   def run_step(self, ctx: StepContext) -> StepResult:
     t0 = ctx.clock.now()
@@ -252,7 +256,8 @@ class Async(Buffered):
       ctx.publish(name)
     lines: Lines = {}
     for name, buffer in self.buffers.items():
-      line = dict(batch_stats(served[name]), policy_version=versions[name],
+      line = dict(batch_stats(served[name]), **self.baseline.stats(name, served[name]),
+                  policy_version=versions[name],
                   tokens=rollout.tokens[name], updated=int(name in stats),
                   stale_dropped=dropped[name], buffered_rows=sum(g.size for g in buffer.kept))
       line.update(stats.get(name, {}))

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flexmarl.data.groups import BatchBuilder, Group, StaleBuffer, batch_stats, skill_stats
+from flexmarl.data.groups import (BatchBuilder, ConstantBaseline, Group, StaleBuffer,
+                                  batch_stats)
 from flexmarl.data.records import ServedGroup
 
 
@@ -54,18 +55,34 @@ def test_a_constant_answer_scores_its_share_and_no_skill():
   is right on every call stands 0.25 above it, balanced 1."""
   truths = ['y', 'y', 'y', 'n']
   constant = [_scored(q, t, [float(t == 'y')] * 4) for q, t in enumerate(truths)]
-  stats = batch_stats(constant)
-  assert stats['accuracy'] == 0.75 and stats['best_constant'] == 0.75
-  assert stats['above_constant'] == 0.0 and stats['balanced_accuracy'] == 0.5
-  right = batch_stats([_scored(q, t, [1.0] * 4) for q, t in enumerate(truths)])
+  assert batch_stats(constant)['accuracy'] == 0.75
+  stats = ConstantBaseline().stats('verifier', constant)
+  assert stats['best_constant'] == 0.75 and stats['above_constant'] == 0.0
+  assert stats['balanced_accuracy'] == 0.5
+  right = ConstantBaseline().stats('verifier', [_scored(q, t, [1.0] * 4)
+                                                for q, t in enumerate(truths)])
   assert right['above_constant'] == 0.25 and right['balanced_accuracy'] == 1.0
   # Rows weigh by count (a group of 2 'n' against 2 groups of 4 'y'); without expected
   # answers there is no skill figure.
-  mixed = skill_stats([_scored(0, 'y', [1, 1, 1, 1]), _scored(1, 'y', [1, 0, 1, 0]),
-                       _scored(2, 'n', [0, 0])])
+  mixed = ConstantBaseline().stats('a', [_scored(0, 'y', [1, 1, 1, 1]),
+                                         _scored(1, 'y', [1, 0, 1, 0]), _scored(2, 'n', [0, 0])])
   assert mixed['best_constant'] == 0.8 and mixed['above_constant'] == pytest.approx(0.6 - 0.8)
   assert mixed['balanced_accuracy'] == pytest.approx((0.75 + 0.0) / 2)
-  assert skill_stats([_group(0, 4)]) == {} and 'best_constant' not in batch_stats([_group(0, 4)])
+  assert ConstantBaseline().stats('a', [_group(0, 4)]) == {}
+
+
+def test_the_best_constant_is_measured_over_a_window_of_calls_each_once():
+  """Over one batch of few calls the likeliest answer's share errs high; the baseline
+  pools the agent's last `calls` calls, counts a call carried to the next step once,
+  and forgets the oldest."""
+  baseline = ConstantBaseline(calls=6)
+  first = [_scored(q, str(q % 3), [1.0] * 2) for q in range(3)]  # answers 0, 1, 2
+  assert baseline.stats('a', first[:1])['best_constant'] == 1.0  # one call: all '0'
+  assert baseline.stats('a', first)['best_constant'] == pytest.approx(1 / 3)  # q0 once
+  baseline.stats('a', [_scored(q, '0', [1.0] * 2) for q in range(3, 9)])  # six '0' calls
+  # The window holds the last six calls, all '0': the first three are forgotten.
+  assert baseline.stats('a', [])['best_constant'] == 1.0
+  assert ConstantBaseline().stats('b', first)['best_constant'] == pytest.approx(1 / 3)
 
 
 def test_a_call_scored_with_two_expected_answers_is_refused():

@@ -24,15 +24,20 @@ PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 8]]
 def test_distinct_prompts_maps_rows_to_each_prompt_once():
   ids, mask = left_pad([[1, 2], [3], [1, 2], [1, 2], [4, 5, 6], []], 4, PAD)
   prompts, prompt_mask, of_row = distinct_prompts(ids, mask, rows=5)
-  assert prompts.shape == (4, 4)  # 3 distinct, rounded up like a batch
+  assert prompts.shape == (3, 4)  # 3 distinct: rows/2 slots (rows/8 is too few)
   for i in range(5):
     np.testing.assert_array_equal(prompts[of_row[i]], ids[i])
     np.testing.assert_array_equal(prompt_mask[of_row[i]], mask[i])
   assert of_row[0] == of_row[2] == of_row[3] and len(set(of_row[:5].tolist())) == 3
-  assert of_row[5] == 0 and not prompt_mask[3].any()  # padding row; padding prompt
-  # Different tags (adapters) never share; nothing left to share gives the rows.
-  _, _, tagged = distinct_prompts(ids, mask, rows=5, tags=np.array([0, 0, 1, 0, 0, 0]))
-  assert tagged[0] == tagged[3] != tagged[2]
+  assert of_row[5] == 0  # a padding row
+  # A batch of 16 rows holds 2 (16/8), 8 (16/2) or 16 prompts: 3 distinct take 8 slots.
+  big_ids, big_mask = left_pad([[1, 2], [3], [4, 5, 6]] * 5 + [[]], 4, PAD)
+  shared, shared_mask, _ = distinct_prompts(big_ids, big_mask, rows=15)
+  assert shared.shape == (8, 4) and not shared_mask[3:].any()  # padding prompts
+  # Different tags (adapters) never share: rows 0, 3 and 6 have one prompt, row 3 a tag.
+  _, _, tagged = distinct_prompts(big_ids, big_mask, rows=15, tags=np.eye(16)[3])
+  assert tagged[0] == tagged[6] != tagged[3]
+  # Nothing left to share gives the rows.
   same_ids, _, identity = distinct_prompts(ids[:4], mask[:4], rows=4, tags=np.arange(4))
   np.testing.assert_array_equal(identity, np.arange(4))
   np.testing.assert_array_equal(same_ids, ids[:4])
@@ -64,7 +69,8 @@ def _unshared(batch: TrainBatch) -> TrainBatch:
 def test_shared_prompt_loss_and_gradient_equal_whole_rows():
   graphdef, params = _model()
   shared = _grouped_batch()
-  assert shared.shared_prompts.shape[0] == 4 < len(shared.prompts)  # 3 prompts, 16 rows
+  # 3 prompts, 16 rows: 16/8 = 2 slots are too few, so 16/2 = 8 (`layout.prompt_bucket`).
+  assert shared.shared_prompts.shape[0] == 8 < len(shared.prompts)
   cfg = grpo.GRPOConfig(max_new_tokens=5)
   value_and_grad = jax.jit(jax.value_and_grad(
       lambda p, b: loss_sum(p, None, b, 0.01, graphdef=graphdef, cfg=cfg), has_aux=True))

@@ -9,6 +9,7 @@ timing, which is what makes every on-policy schedule give the same parameters.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -152,9 +153,8 @@ class StaleBuffer:
 
 
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
-  """Reward mean/std and exact-match accuracy over the rows of `groups`, the fraction
-  of groups whose rewards are all equal (they teach GRPO nothing) and, where the workflow
-  gave expected answers, the accuracy against a constant answer's (`skill_stats`)."""
+  """Reward mean/std and exact-match accuracy over the rows of `groups`, and the fraction
+  of groups whose rewards are all equal (they teach GRPO nothing)."""
   if not groups:
     return dict(reward_mean=math.nan, reward_std=math.nan, accuracy=math.nan,
                 zero_spread=math.nan)
@@ -163,30 +163,51 @@ def batch_stats(groups: Sequence[Group]) -> dict[str, float]:
   known = correct[~np.isnan(correct)]
   return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
               accuracy=float(known.mean()) if known.size else math.nan,
-              zero_spread=grpo.zero_spread_fraction(g.rewards for g in groups),
-              **skill_stats(groups))
+              zero_spread=grpo.zero_spread_fraction(g.rewards for g in groups))
 
 
-def skill_stats(groups: Sequence[Group]) -> dict[str, float]:
-  """Over the rows whose call has an expected answer: `best_constant`, the accuracy of
-  the one answer that is right most often (what an agent that always says it would
-  score); `above_constant`, the agent's accuracy on those rows minus it; and
-  `balanced_accuracy`, the mean over expected answers of the accuracy on their rows (a
-  constant scores 1 / their number). {} without expected answers.
+class ConstantBaseline:
+  """What an agent would score by always giving one answer, from the expected answers of
+  its last `calls` calls (each counted once; a workflow gives them with
+  `episode.score(..., expected=)`), against what its batch scored.
 
-  An agent above its best constant has learned something about its input; at it, it may
-  have collapsed onto the likeliest answer. Over one batch the best constant is measured
-  on few calls, so it errs high (the largest of noisy shares): a conservative bar."""
-  rows: dict[str, list[np.ndarray]] = {}
-  for g in groups:
-    if g.expected is not None:
-      rows.setdefault(g.expected, []).append(g.correct)
-  if not rows:
-    return {}
-  by_answer = {a: np.concatenate(cs) for a, cs in rows.items()}
-  best = max(len(c) for c in by_answer.values()) / sum(len(c) for c in by_answer.values())
-  every = np.concatenate(list(by_answer.values()))
-  recall = [float(np.nanmean(c)) for c in by_answer.values() if not np.isnan(c).all()]
-  return dict(best_constant=best,
-              above_constant=(float(np.nanmean(every)) - best if recall else math.nan),
-              balanced_accuracy=float(np.mean(recall)) if recall else math.nan)
+  The best constant is measured over a window, not one batch: over a batch's few calls
+  the likeliest answer's share errs high (the largest of a few noisy shares)."""
+
+  def __init__(self, calls: int = 2000):
+    self.calls = calls
+    self._recent: dict[str, collections.deque] = {}  # agent -> (call, expected, rows)
+    self._seen: dict[str, set] = {}
+
+  def stats(self, agent: str, groups: Sequence[Group]) -> dict[str, float]:
+    """Add `groups` to the agent's window, then: `best_constant`, the accuracy of the
+    answer right most often in the window; `above_constant`, the batch's accuracy on
+    its rows with an expected answer minus it; `balanced_accuracy`, the batch's mean
+    over expected answers of the accuracy on their rows (a constant scores 1 / their
+    number). {} while the agent has no expected answers."""
+    recent = self._recent.setdefault(agent, collections.deque())
+    seen = self._seen.setdefault(agent, set())
+    scored = [g for g in groups if g.expected is not None]
+    for g in scored:
+      call = (g.served.query_id, g.served.call)
+      if call not in seen:
+        recent.append((call, g.expected, g.size))
+        seen.add(call)
+    while len(recent) > self.calls:
+      seen.discard(recent.popleft()[0])
+    if not recent:
+      return {}
+    counts = collections.Counter()
+    for _, expected, rows in recent:
+      counts[expected] += rows
+    best = max(counts.values()) / sum(counts.values())
+    by_answer: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    for g in scored:
+      by_answer[g.expected].append(g.correct)
+    correct = [np.concatenate(c) for c in by_answer.values()]
+    known = [c[~np.isnan(c)] for c in correct]
+    if not any(k.size for k in known):
+      return dict(best_constant=best)
+    return dict(best_constant=best,
+                above_constant=float(np.concatenate(known).mean()) - best,
+                balanced_accuracy=float(np.mean([k.mean() for k in known if k.size])))

@@ -33,6 +33,19 @@ def bucket(n: int, multiple: int = 1) -> int:
   return -(-size // multiple) * multiple
 
 
+def prompt_bucket(distinct: int, rows: int, multiple: int = 1) -> int:
+  """The number of prompt slots for `distinct` prompts in a batch of `rows`: rows/8 (a
+  GRPO group of 8 or more per prompt), rows/2, or rows (nothing shared), each a multiple
+  of `multiple`. Two shapes a batch size, not one per power of two below it: every
+  (rows, prompts) pair is a program to compile and keep, and rare pairs met late in a
+  long run kept adding compiled programs (about 20 MB of memory each, on CPU)."""
+  for slots in (rows // 8, rows // 2):
+    slots = -(-slots // multiple) * multiple
+    if slots >= max(distinct, 1):
+      return slots
+  return rows
+
+
 def distinct_prompts(ids: np.ndarray, mask: np.ndarray, rows: int, multiple: int = 1,
                      tags: np.ndarray | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -41,9 +54,9 @@ def distinct_prompts(ids: np.ndarray, mask: np.ndarray, rows: int, multiple: int
 
   `ids`, `mask` [B, P] as `left_pad` gives them, of which the first `rows` are real.
   Returns (prompts [U, P], their mask [U, P], prompt_of_row [B]): row i's prompt is
-  prompts[prompt_of_row[i]]; padding rows point at prompt 0. U is rounded up like a
-  batch (`bucket`); padding prompts are empty. When that leaves nothing to share (U
-  would be B), the rows themselves with prompt_of_row = 0..B-1. `tags` [B]: rows with
+  prompts[prompt_of_row[i]]; padding rows point at prompt 0. U is rounded up to B/8 or
+  B/2 (`prompt_bucket`); padding prompts are empty. When that leaves nothing to share
+  (U would be B), the rows themselves with prompt_of_row = 0..B-1. `tags` [B]: rows with
   different tags never share (e.g. each row's LoRA adapter, which changes the pass).
   """
   size = len(ids)
@@ -51,7 +64,7 @@ def distinct_prompts(ids: np.ndarray, mask: np.ndarray, rows: int, multiple: int
   if tags is not None:
     keys = np.concatenate([keys, np.asarray(tags)[:rows, None].astype(keys.dtype)], 1)
   distinct, first, of_row = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-  count = bucket(max(len(distinct), 1), multiple)
+  count = prompt_bucket(len(distinct), size, multiple)
   if count >= size:
     return ids, mask, np.arange(size, dtype=np.int32)
   prompts = np.zeros((count, ids.shape[1]), ids.dtype)
