@@ -28,15 +28,6 @@ class RemoteState:
   agent: str
 
 
-class Ready(Protocol):
-  """Work still running: `block_until_ready` waits for it and returns it. A JAX array is
-  one; so is a remote worker's result (`flexmarl.cluster.remote.Handle`). Spans time
-  dispatched work by waiting on it."""
-
-  def block_until_ready(self) -> Ready:
-    ...
-
-
 @dataclasses.dataclass(frozen=True)
 class Weights:
   """One published policy: an agent's parameters and their version (the number of

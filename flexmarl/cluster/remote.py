@@ -60,9 +60,9 @@ def resolve(ref, who: str, call: str, timeout: float):
 
 @dataclasses.dataclass(frozen=True)
 class Handle:
-  """A result still being computed in a worker (a Ray object ref); an `interfaces.Ready`,
-  so spans time it as they time a JAX array. `block_until_ready` never raises (the
-  caller's `get` does)."""
+  """A result still being computed in a worker (a Ray object ref). It has JAX arrays'
+  `block_until_ready`, which is all spans wait on (`metrics.timeline.Timeline`); that
+  never raises (the caller's `get` does)."""
 
   ref: Any
   timeout: float  # the longest wait (config.cluster.call_timeout_s)
