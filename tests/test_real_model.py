@@ -201,10 +201,10 @@ def test_chat_team_trains_evaluates_and_resumes(tmp_path):
   evals = [l for l in lines if 'eval_accuracy' in l]
   # Before the first step, after each: per agent and for the team.
   assert sorted({(l['step'], l['agent']) for l in evals}) == [
-      (s, a) for s in (0, 1, 2) for a in ('gcd', 'router', 'sum', 'team')]
+      (s, a) for s in (0, 1, 2) for a in ('product', 'router', 'sum', 'team')]
   team = [l for l in evals if l['agent'] == 'team']
   assert all(l['eval_answers'] == 4 for l in team)  # 2 held-out problems × 2 datasets
-  assert set(summary['eval']) == {'gcd', 'router', 'sum', 'team'}
+  assert set(summary['eval']) == {'product', 'router', 'sum', 'team'}
   trained = [l for l in lines if l['agent'] != 'team' and l.get('updated')]
   assert trained and all(np.isfinite(l['loss']) for l in trained)
   # Stopped after step 1 and resumed: the same metrics (evaluations included).
