@@ -23,7 +23,11 @@ Until an agent gives a valid answer (a plan symbol, a digit), the next agent is 
 true value instead, so no agent waits for the one before it to learn.
 
 Rewards: per-position partial credit (1.0 when exact), so random policies get a
-signal before their first exact hit; `correct` is the exact match.
+signal before their first exact hit; `correct` is the exact match. With
+`planner_reward='outcome'` the planner is paid only through the others' work: each
+distinct valid plan among its samples is carried out (worker twice, judge once) and each
+sample earns 1 when its plan's final answer (the judge group's most common verdict) is
+the query's answer, else 0; `correct` stays the exact plan.
 
 Best constant answer (exact match, the task distribution with right upstream answers;
 `best_constant_accuracy` enumerates it): planner 1/3 = 0.333 (any symbol),
@@ -64,8 +68,14 @@ def _is_digit(text: str) -> bool:
 
 class PlannerWorkersJudge:
 
-  def __init__(self, planner: str = 'planner', worker: str = 'worker', judge: str = 'judge'):
+  def __init__(self, planner: str = 'planner', worker: str = 'worker', judge: str = 'judge',
+               planner_reward: str = 'plan'):
+    if planner_reward not in ('plan', 'outcome'):
+      raise ValueError(f"workflow.planner_reward={planner_reward!r}: give 'plan' (scored "
+                       "against the right plan) or 'outcome' (paid by the team's final "
+                       'answer under its plan).')
     self.planner, self.worker, self.judge = planner, worker, judge
+    self.planner_reward = planner_reward
 
   def agent_names(self) -> Sequence[str]:
     return [self.planner, self.worker, self.judge]
@@ -90,16 +100,34 @@ class PlannerWorkersJudge:
     self._score(episode, answers, truth)
     return int(_majority([c.text for c in answers], _is_digit) or truth)
 
-  async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
-    episode = Episode()
-    plans = await agents[self.planner].generate(f'{query.prompt}?')
-    self._score(episode, plans, query.meta['symbol'])
-    plan = _majority([c.text for c in plans], BY_SYMBOL.__contains__) or query.meta['symbol']
+  async def _carry_out(self, agents: Mapping[str, AgentClient], plan: str, query: Query,
+                       episode: Episode) -> str | None:
+    """The worker on both digits under `plan`, then the judge; gives the judge group's
+    most common verdict (None if none is a digit)."""
     # The middle agent, twice at once: the engine batches both requests.
     left, right = await asyncio.gather(
         *[self._work(agents, plan, x, episode) for x in query.meta['digits']])
     verdicts = await agents[self.judge].generate(f'{left},{right}=')
     self._score(episode, verdicts, str(max(left, right)))
+    return _majority([c.text for c in verdicts], _is_digit)
+
+  async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
+    episode = Episode()
+    plans = await agents[self.planner].generate(f'{query.prompt}?')
+    symbol = query.meta['symbol']
+    if self.planner_reward == 'plan':
+      self._score(episode, plans, symbol)
+      plan = _majority([c.text for c in plans], BY_SYMBOL.__contains__) or symbol
+      await self._carry_out(agents, plan, query, episode)
+      return episode
+    # 'outcome': every distinct plan carried out, each sample paid by its plan's result.
+    tried = [t for t in dict.fromkeys(c.text for c in plans) if t in BY_SYMBOL] or [None]
+    finals = await asyncio.gather(
+        *[self._carry_out(agents, plan or symbol, query, episode) for plan in tried])
+    right = {plan: final == query.answer for plan, final in zip(tried, finals)}
+    for c in plans:
+      episode.score(c, float(right.get(c.text, False)), correct=c.text == symbol,
+                    expected=symbol)
     return episode
 
 

@@ -60,7 +60,8 @@ class Agent:
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
     self.version = 0  # updates so far: the version of the trainer's parameters
-    self.stuck_run = 0  # the last batches in a row that were `grpo.stuck`
+    self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
+    self.collapse_run = 0  # ... and `grpo.collapsed`
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
 
@@ -91,12 +92,19 @@ class Agent:
       self.training_engine.wait(self.name)
     return self.trainer.train_state()
 
-  def restore(self, train_state: dict, version: int, stuck_run: int = 0) -> None:
-    """Take a checkpoint's state as version `version` and serve it."""
+  def counters(self) -> dict[str, int]:
+    """What a checkpoint's meta keeps of the agent besides its state: its version and
+    the runs of batches its GRPO options count."""
+    return dict(version=self.version, stuck_run=self.stuck_run,
+                collapse_run=self.collapse_run)
+
+  def restore(self, train_state: dict, meta: dict) -> None:
+    """Take a checkpoint's state and `counters` (its meta) and serve it."""
     if self.training_engine is not None:
       self.training_engine.wait(self.name)  # a copy in flight would overwrite it
     self.trainer.load_train_state(train_state)
-    self.version, self.stuck_run = version, stuck_run
+    self.version = meta['version']
+    self.stuck_run, self.collapse_run = meta.get('stuck_run', 0), meta.get('collapse_run', 0)
     self._unpublished = Weights(self.trainer.params, version)
     self.publish()
 
@@ -150,7 +158,8 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens. A batch without advantage
-    signal takes no optimizer step (`grpo.takes_step`)."""
+    signal takes no optimizer step (`grpo.takes_step`); batches `grpo.collapsed` onto
+    one answer are counted here too."""
     t0 = self.clock.now()
     lags = np.array([self.version - g.served.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
@@ -158,10 +167,14 @@ class Agent:
     version = self.version
     dispatched = []
     advantages = [g.advantages for g in batch]
-    stuck = grpo.stuck(self.spec.grpo, advantages, [g.correct for g in batch])
+    cfg = self.spec.grpo
+    stuck = grpo.stuck(cfg, advantages, [g.correct for g in batch])
     self.stuck_run = self.stuck_run + 1 if stuck else 0
-    takes_step = grpo.takes_step(self.spec.grpo, advantages, self.stuck_run)
-    stuck_run = self.stuck_run
+    collapsed = grpo.collapsed(cfg, [t for g in batch for t in g.served.tokens],
+                               [g.expected for g in batch for _ in range(g.size)])
+    self.collapse_run = self.collapse_run + 1 if collapsed else 0
+    takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
+    stuck_run, collapse_run = self.stuck_run, self.collapse_run
 
     def step() -> None:
       dispatched.append(self.trainer.dispatch_apply(takes_step))
@@ -177,7 +190,7 @@ class Agent:
     def finish() -> Stats:
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
-                   stuck_run=stuck_run)
+                   stuck_run=stuck_run, collapse_run=collapse_run)
       if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -176,7 +175,7 @@ class JointOrchestrator:
       return 0
     for name, agent in self.agents.items():
       meta = metas[name]
-      agent.restore(states[name], meta['version'], meta.get('stuck_run', 0))
+      agent.restore(states[name], meta)
       self.next_query = meta['next_query']
       groups = self._carried_groups(name, step, meta['buffer'], log)
       self.schedule.carry(name, groups)
@@ -221,7 +220,7 @@ class JointOrchestrator:
     carried = self.schedule.carried()
     for name, agent in self.agents.items():
       agent.checkpointer.save(self.step, agent.train_state(),
-                              dict(meta, version=agent.version, stuck_run=agent.stuck_run,
+                              dict(meta, **agent.counters(),
                                    buffer=[group_ref(g) for g in carried[name]]))
     for agent in self.agents.values():
       agent.checkpointer.wait()
@@ -303,16 +302,9 @@ class JointOrchestrator:
           for agent, values in lines.items():
             writer.write(self.step, agent, values)
             if agent != TEAM and values.get('updated'):
-              warning = stalls.update(agent, self.step, values['zero_spread'],
-                                      values.get('entropy', math.nan), values['accuracy'])
-              if warning:
-                log(f'warning: {warning}')
-              note = stalls.intervention(
-                  agent, self.step, values.get('entropy_bonus', math.nan),
-                  self.agents[agent].spec.grpo.entropy_coef,
-                  values.get('entropy', math.nan), values['accuracy'])
-              if note:
-                log(note)
+              for line in stalls.lines(agent, self.step, values,
+                                       self.agents[agent].spec.grpo):
+                log(line)
           for warning in self.starvation.end_step(self.step):
             log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:

@@ -129,7 +129,8 @@ def test_intervention_line_for_a_lasting_rise_only():
 
 @pytest.mark.parametrize('experiment', ['hierarchical_assistant', 'solver_verifier',
                                         'planner_workers_judge', 'debate', 'chain',
-                                        'router_six'])
+                                        'router_six', 'planner_outcome', 'claim_checker',
+                                        'sort3'])
 def test_shipped_experiments_train_on_the_library_defaults(experiment):
   """No per-agent GRPO or optimizer tuning in the shipped experiments: what the
   robustness suite measures is what they run."""

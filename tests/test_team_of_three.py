@@ -1,5 +1,6 @@
 """The 'your own team' experiment runs from the command line, as the README says."""
 
+import asyncio
 import collections
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 
 from conftest import FAST_COMPILE
 from experiments import team_of_three
+from flexmarl.workflows.base import Completion, Query
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}')
@@ -37,3 +39,37 @@ def test_runlocal_trains_all_three_agents_from_the_command_line(tmp_path):
       'planner': 2, 'worker': 2, 'judge': 2}
   owner = json.loads((tmp_path / 'run' / 'run.json').read_text())
   assert owner['workflow'] == 'experiments.team_of_three:PlannerWorkersJudge'
+
+
+class _Samples:
+  """An agent that answers the k-th sample of each call with `answers(prompt)[k]`."""
+
+  def __init__(self, name, answers):
+    self.name, self.answers, self.served = name, answers, []
+
+  async def generate(self, prompt, n=None, **_):
+    texts = self.answers(prompt)
+    out = [Completion(f'{self.name}{len(self.served)}_{j}', self.name, t, 0)
+           for j, t in enumerate(texts)]
+    self.served += out
+    return out
+
+
+def test_an_outcome_planner_is_paid_by_its_own_plans_final_answer():
+  """`dbl:3,1` (answer 6): plans `*`, `+`, `x` (invalid), `*`. Each valid plan is carried
+  out once by a worker and a judge that answer right for what they are given: `*` ends
+  at 6 (paid 1), `+` at max(4, 2) = 4 (paid 0), an invalid plan earns 0."""
+  flow = team_of_three.PlannerWorkersJudge(planner_reward='outcome')
+  query = Query('q0', 'dbl:3,1', '6', 'dbl', {'symbol': '*', 'digits': (3, 1)})
+  ops = {'*': lambda x: 2 * x, '+': lambda x: x + 1, '-': lambda x: 4 - x}
+  agents = {
+      'planner': _Samples('planner', lambda p: ['*', '+', 'x', '*']),
+      'worker': _Samples('worker', lambda p: [str(ops[p[0]](int(p[1])))] * 2),
+      'judge': _Samples('judge', lambda p: [str(max(map(int, p[:-1].split(','))))] * 2)}
+  episode = asyncio.run(flow.run(query, agents))
+  plans = agents['planner'].served
+  assert [episode.rewards[c.sample_id] for c in plans] == [1.0, 0.0, 0.0, 1.0]
+  assert [episode.correct[c.sample_id] for c in plans] == [True, False, False, True]
+  assert len(agents['worker'].served) == 2 * 4 and len(agents['judge'].served) == 2 * 2
+  with pytest.raises(ValueError, match='planner_reward'):
+    team_of_three.PlannerWorkersJudge(planner_reward='plans')

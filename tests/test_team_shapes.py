@@ -21,7 +21,7 @@ from flexmarl.workflows import build_workflow
 from flexmarl.workflows.base import Completion, Query
 from flexmarl.workflows.checks import check_workflow
 
-SHAPES = ['debate', 'chain', 'router_six']
+SHAPES = ['debate', 'chain', 'router_six', 'planner_outcome', 'claim_checker', 'sort3']
 QUERIES = 300
 Answers = Mapping[str, Callable[[str], str]]  # agent -> its answer to a prompt
 
@@ -211,3 +211,7 @@ def test_the_suite_fails_a_constant_verifier_and_passes_a_skilled_one(tmp_path):
   assert result['verifier']['end_accuracy'] == pytest.approx(0.94)
   assert result['verifier']['verdict'] != 'pass' and result['solver']['verdict'] == 'pass'
   assert robustness.verdict(dict(end_above_constant=-0.1)) == 'below constant'
+  # A y/n judge that sees right answers 3 times in 4: accuracy can be at most 0.25 above
+  # its constant; its balanced accuracy 0.9 is 0.4 above a constant's 0.5: a pass.
+  assert robustness.verdict(dict(end_above_constant=0.2, end_balanced_above=0.4)) == 'pass'
+  assert robustness.verdict(dict(end_above_constant=0.0, end_balanced_above=0.0)) == 'weak'

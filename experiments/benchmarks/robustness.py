@@ -3,7 +3,8 @@ optimizer defaults only (each agent's `grpo` and `optimizer` sections reset).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python experiments/benchmarks/robustness.py [--quick] [--seeds=0,1,2] \
-      [--shapes=router_specialists,solver_verifier,planner_workers_judge,debate,chain,router_six]
+      [--shapes=router_specialists,solver_verifier,planner_workers_judge,debate,chain,router_six,
+                planner_outcome,claim_checker,sort3]
   python experiments/benchmarks/robustness.py --analyze=RUN_DIR  # one finished run
 
 Shapes, each an existing experiment with its per-team tuning removed:
@@ -12,7 +13,11 @@ Shapes, each an existing experiment with its per-team tuning removed:
 - planner_workers_judge: a planner, a worker called twice in parallel, a judge;
 - debate: two agents answer a sum in turn over two turns, each reading the other's claims;
 - chain: three agents, each working on the previous one's answer (sum, 8 - x, a letter);
-- router_six: a router and six specialists, Zipf 0.6 (the rarest gets 10% of the queries).
+- router_six: a router and six specialists, Zipf 0.6 (the rarest gets 10% of the queries);
+- planner_outcome: planner_workers_judge with the planner rewarded only by the team's
+  final answer (each plan it samples carried out by the worker and the judge);
+- claim_checker: an imbalanced yes/no verifier (three claims in four are right);
+- sort3: one agent sorting three digits.
 
 Per agent: the best constant answer's exact-match rate (enumerated over the task
 distribution, and as the run measured it on its own calls: `best_constant` in its
@@ -46,7 +51,8 @@ _QUICK = flags.DEFINE_bool('quick', False, 'One seed, short runs: a smoke test.'
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds per shape.')
 _SHAPES = flags.DEFINE_list('shapes', ['router_specialists', 'solver_verifier',
                                        'planner_workers_judge', 'debate', 'chain',
-                                       'router_six'], 'Team shapes to run.')
+                                       'router_six', 'planner_outcome', 'claim_checker',
+                                       'sort3'], 'Team shapes to run.')
 _GRPO = flags.DEFINE_string('grpo', '', 'JSON object of GRPO fields over the library defaults '
                             '(to try a candidate default on every agent), e.g. '
                             '\'{"entropy_coef": 0.1}\'.')
@@ -78,6 +84,13 @@ SHAPES = {
     # Its rarer specialists get 10-15% of the queries: in 400 steps its sorter ended at
     # 0.72-0.79, short of the rows it needs (the default experiment's passes 0.9 by 245).
     'router_six': Shape('router_six', 800, 150),
+    # Three shapes no experiment was tuned on (2026-12-06): a planner rewarded only by
+    # the team's final answer; a yes/no checker whose best constant scores 0.75; a
+    # single sorter of three digits (the plateau-prone task of the default experiment,
+    # made harder).
+    'planner_outcome': Shape('planner_outcome', 600, 200),
+    'claim_checker': Shape('claim_checker', 400, 150),
+    'sort3': Shape('sort3', 600, 200),
 }
 
 
@@ -115,6 +128,8 @@ def best_constants(config) -> dict[str, float | str]:
     return max(counts.values()) / 4000
   if ':' in wf.name:
     return importlib.import_module(wf.name.partition(':')[0]).best_constant_accuracy()
+  if wf.name == 'single_task':
+    return {wf.agent: family(wf.family, dict(wf.task_args))}
   if wf.name == 'solver_verifier':
     return {wf.solver: family(wf.family, dict(wf.task_args)), wf.verifier: wf.solver}
   out = {wf.router: float(tasks.zipf_probs(len(wf.specialists), wf.zipf).max())}
@@ -140,6 +155,7 @@ def agent_report(lines: list[dict], agent: str) -> dict:
       updates=len(mine), end_accuracy=float(np.nanmean(acc[-end:])),
       end_best_constant=end_mean('best_constant'), end_above_constant=end_mean('above_constant'),
       end_balanced_accuracy=end_mean('balanced_accuracy'),
+      end_balanced_above=end_mean('balanced_above_constant'),
       first_pass_step=int(mine[passed[0] + PASS_WINDOW - 1]['step']) if passed.size else None,
       end_entropy=float(np.mean([l['entropy'] for l in mine[-end:]])),
       end_entropy_bonus=float(np.mean([l.get('entropy_bonus', math.nan) for l in mine[-end:]])))
@@ -179,12 +195,15 @@ def report(workdir: str, constants: dict[str, float | str]) -> dict:
 
 def verdict(r: dict) -> str:
   """'pass': at the end, at least ABOVE over its best constant answer, as measured in the
-  run (or, for a workflow that gives no expected answers, as enumerated offline); 'below
-  constant': under it; 'weak' between."""
-  above = r.get('end_above_constant', math.nan)
-  if math.isnan(above) and isinstance(r.get('best_constant'), float):
+  run (or, for a workflow that gives no expected answers, as enumerated offline), by
+  accuracy or by balanced accuracy (a yes/no judge that sees mostly right answers: a
+  constant scores 1 / the number of answers); 'below constant': under it; 'weak'
+  between."""
+  above = np.nanmax([r.get('end_above_constant', math.nan),
+                     r.get('end_balanced_above', math.nan), -math.inf])
+  if not np.isfinite(above) and isinstance(r.get('best_constant'), float):
     above = r.get('end_accuracy', math.nan) - r['best_constant']
-  if math.isnan(above):
+  if not np.isfinite(above):
     return '–'
   return 'pass' if above >= ABOVE else 'below constant' if above < 0 else 'weak'
 

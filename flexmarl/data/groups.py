@@ -184,7 +184,10 @@ class ConstantBaseline:
     answer right most often in the window; `above_constant`, the batch's accuracy on
     its rows with an expected answer minus it; `balanced_accuracy`, the batch's mean
     over expected answers of the accuracy on their rows (a constant scores 1 / their
-    number). {} while the agent has no expected answers."""
+    number), and `balanced_above_constant`, it minus that (where the batch has two
+    answers or more): the skill of an agent whose answer set is small and skewed, such
+    as a yes/no judge that sees mostly right answers. {} while the agent has no expected
+    answers."""
     recent = self._recent.setdefault(agent, collections.deque())
     seen = self._seen.setdefault(agent, set())
     scored = [g for g in groups if g.expected is not None]
@@ -208,6 +211,9 @@ class ConstantBaseline:
     known = [c[~np.isnan(c)] for c in correct]
     if not any(k.size for k in known):
       return dict(best_constant=best)
-    return dict(best_constant=best,
-                above_constant=float(np.concatenate(known).mean()) - best,
-                balanced_accuracy=float(np.mean([k.mean() for k in known if k.size])))
+    classes = [k.mean() for k in known if k.size]
+    out = dict(best_constant=best, above_constant=float(np.concatenate(known).mean()) - best,
+               balanced_accuracy=float(np.mean(classes)))
+    if len(classes) > 1:  # a constant is right on one class of answers: 1 / their number
+      out['balanced_above_constant'] = out['balanced_accuracy'] - 1.0 / len(classes)
+    return out

@@ -8,11 +8,16 @@ always right, or always wrong) and nothing else in the output would say so.
 When an agent that had learned goes wrong again, its entropy bonus, which follows its
 error (`flexmarl.train.grpo.entropy_weights`), rises with it: the framework is pushing
 it to explore again, and the watch says so, once per rise.
+
+An agent collapsed onto one answer (`flexmarl.train.grpo.collapsed`) gets a line of its
+own, once per collapse.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 # The intervention line: the agent's smoothed bonus (an exponential mean over about
 # SMOOTH updates: one batch with a wrong group is not a relapse) at least RAISED ×
@@ -76,3 +81,29 @@ class StallWatch:
             f'entropy_coef={entropy_coef:.3g}){ent}{acc}: it is wrong again where it had been '
             'right, so it is pushed to explore there. Nothing to do unless this repeats for '
             'long; then check the reward.')
+
+  def lines(self, agent: str, step: int, values: Mapping[str, Any], grpo_cfg: Any
+            ) -> list[str]:
+    """Everything to log about one update of `agent` (its metrics line `values`, its
+    GRPO config): a stall warning; a collapse onto one answer, or else a rise of its
+    entropy bonus."""
+    out = []
+    entropy, accuracy = values.get('entropy', math.nan), values['accuracy']
+    warning = self.update(agent, step, values['zero_spread'], entropy, accuracy)
+    if warning:
+      out.append(f'warning: {warning}')
+    run = values.get('collapse_run', 0)
+    if grpo_cfg.collapse_after and run == grpo_cfg.collapse_after:
+      out.append(
+          f'warning: step {step}: agent {agent!r} has collapsed onto one answer: in {run} '
+          f'batches in a row at least {grpo_cfg.collapse_share:.0%} of its sampled answers '
+          f'were the same where the right answers differ (accuracy {accuracy:.2f}, policy '
+          f'entropy {entropy:.3g}). GRPO rarely gets out of this by itself and no entropy '
+          'bonus undoes it (measured): give its workflow balanced cases or rewards that '
+          'separate its answers, or train it again from scratch.')
+      return out
+    note = self.intervention(agent, step, values.get('entropy_bonus', math.nan),
+                             grpo_cfg.entropy_coef, entropy, accuracy)
+    if note:
+      out.append(note)
+    return out

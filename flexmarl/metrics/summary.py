@@ -22,8 +22,8 @@ def format_step(step: int, steps: int, lines: Mapping[str, Mapping[str, float]])
   return f"step {step}/{steps} [{team['step_time_s']:.2f}s, {team['tokens_per_s']:.0f} tok/s]  {agents}"
 
 
-# Accuracy against a constant answer's (flexmarl.data.groups.skill_stats), where given.
-SKILL = ('best_constant', 'above_constant', 'balanced_accuracy')
+# Accuracy against a constant answer's (flexmarl.data.groups.ConstantBaseline), where given.
+SKILL = ('best_constant', 'above_constant', 'balanced_accuracy', 'balanced_above_constant')
 
 
 def _mean(lines: list[dict], key: str) -> float:

@@ -29,10 +29,13 @@ Options from the field, all per agent:
   by default; `takes_step`), unless the agent's batches have been mostly wrong without
   a signal several times in a row (`unstick_below`, `unstick_after`): a collapsed policy
   then steps on the bonus alone.
+- Collapse onto one answer is detected (`collapsed`, `collapse_share`,
+  `collapse_after`): the run says so; no bonus undoes it (measured, RESULTS.md).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import jax
@@ -139,6 +142,31 @@ def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray], stuck_run: int
   if not cfg.skip_without_signal or not all(np.all(np.asarray(a) == 0) for a in advantages):
     return True
   return bool(cfg.unstick_after) and stuck_run >= cfg.unstick_after
+
+
+def mode_share(responses: Sequence[np.ndarray]) -> float:
+  """The share of the responses (token ids) that equal the most common one; NaN for none."""
+  counts = collections.Counter(tuple(np.asarray(r).tolist()) for r in responses)
+  return max(counts.values()) / len(responses) if responses else float('nan')
+
+
+def collapsed(cfg: GRPOConfig, responses: Sequence[np.ndarray],
+              expected: Sequence[str | None]) -> bool:
+  """Whether a global batch shows a policy collapsed onto one answer: at least
+  `collapse_share` of its sampled responses are one and the same, while fewer than that
+  share of its rows have one and the same right answer (`expected`, per row; rows
+  without one are not counted, and a batch without any is never collapsed).
+
+  This is what neither the advantages nor the error rate tell: a planner that gives
+  one plan to every query and scores what that plan scores (0.5, say) still has groups
+  whose rewards differ (other agents' noise), and a yes/no judge that always says
+  "y" is right more often than not; both are stuck on a constant all the same. The
+  run says so (metrics `collapse_run`, a line after `collapse_after` such batches)."""
+  known = [e for e in expected if e is not None]
+  if not cfg.collapse_after or not known:
+    return False
+  right = collections.Counter(known).most_common(1)[0][1] / len(known)
+  return mode_share(responses) >= cfg.collapse_share > right
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
