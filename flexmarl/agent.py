@@ -62,6 +62,7 @@ class Agent:
     self.version = 0  # updates so far: the version of the trainer's parameters
     self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
     self.collapse_run = 0  # ... and `grpo.collapsed`
+    self.resets = 0  # times reset to its starting weights (`grpo.resets_now`)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
 
@@ -96,7 +97,7 @@ class Agent:
     """What a checkpoint's meta keeps of the agent besides its state: its version and
     the runs of batches its GRPO options count."""
     return dict(version=self.version, stuck_run=self.stuck_run,
-                collapse_run=self.collapse_run)
+                collapse_run=self.collapse_run, resets=self.resets)
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -105,6 +106,7 @@ class Agent:
     self.trainer.load_train_state(train_state)
     self.version = meta['version']
     self.stuck_run, self.collapse_run = meta.get('stuck_run', 0), meta.get('collapse_run', 0)
+    self.resets = meta.get('resets', 0)
     self._unpublished = Weights(self.trainer.params, version)
     self.publish()
 
@@ -158,8 +160,9 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens. A batch without advantage
-    signal takes no optimizer step (`grpo.takes_step`); batches `grpo.collapsed` onto
-    one answer are counted here too."""
+    signal takes no optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto
+    one answer for `collapse_after` batches is reset to its starting weights after the
+    step (`grpo.resets_now`), and those are what it publishes."""
     t0 = self.clock.now()
     lags = np.array([self.version - g.served.version for g in batch for _ in range(g.size)])
     for micro in micro_batches:
@@ -175,9 +178,15 @@ class Agent:
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
     takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
+    reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
+    if reset:
+      self.collapse_run, self.resets = 0, self.resets + 1
+    resets = self.resets
 
     def step() -> None:
       dispatched.append(self.trainer.dispatch_apply(takes_step))
+      if reset:
+        self.trainer.reset()
       # Taken here, before a training pool could swap the state out.
       self._unpublished = Weights(self.trainer.params, version + 1)
       if self.timeline is not None:
@@ -190,7 +199,8 @@ class Agent:
     def finish() -> Stats:
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
-                   stuck_run=stuck_run, collapse_run=collapse_run)
+                   stuck_run=stuck_run, collapse_run=collapse_run,
+                   collapse_reset=int(reset), resets=resets)
       if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True

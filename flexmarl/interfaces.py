@@ -72,6 +72,10 @@ class Trainer(Protocol):
   def load_train_state(self, state: TrainState) -> None:
     """Take a restored train state."""
 
+  def reset(self) -> None:
+    """Back to the starting weights with a fresh optimizer (an agent collapsed onto one
+    answer, `train.grpo.collapsed`)."""
+
 
 class Checkpointer(Protocol):
   """Saves and restores one agent's train state with the run's metadata."""

@@ -1,6 +1,7 @@
-"""Collapse onto one answer, told: `grpo.collapsed` sees a batch whose sampled answers are
-nearly all one answer where the right answers differ; after `collapse_after` such
-batches in a row the run says so."""
+"""Collapse onto one answer, told and undone: `grpo.collapsed` sees a batch whose sampled
+answers are nearly all one answer where the right answers differ; after `collapse_after`
+such batches in a row the agent goes back to its starting weights (`grpo.resets_now`,
+at most `collapse_resets` times) and the run says so."""
 
 import math
 import os
@@ -23,7 +24,7 @@ Y, N = np.array([5, 1]), np.array([6, 1])  # two answers' token ids
 @pytest.mark.quick
 def test_collapsed_is_one_answer_where_the_right_ones_differ():
   cfg = GRPOConfig()
-  assert (cfg.collapse_share, cfg.collapse_after) == (0.9, 3)
+  assert (cfg.collapse_share, cfg.collapse_after, cfg.collapse_resets) == (0.9, 3, 2)
   assert grpo.mode_share([Y, Y, N, Y]) == 0.75 and math.isnan(grpo.mode_share([]))
   mixed = ['y'] * 15 + ['n'] * 5  # right answers: 75% y
   assert grpo.collapsed(cfg, [Y] * 20, mixed)
@@ -35,17 +36,28 @@ def test_collapsed_is_one_answer_where_the_right_ones_differ():
   assert not grpo.collapsed(GRPOConfig(collapse_after=0), [Y] * 20, mixed)  # off
 
 
-def test_the_watch_says_once_when_an_agent_collapses():
+def test_a_reset_comes_at_the_collapse_after_th_batch_at_most_collapse_resets_times():
+  cfg = GRPOConfig()
+  assert [grpo.resets_now(cfg, run, 0) for run in range(6)] == [0, 0, 0, 1, 0, 0]
+  assert grpo.resets_now(cfg, 3, 1) and not grpo.resets_now(cfg, 3, 2)
+  assert not grpo.resets_now(GRPOConfig(collapse_resets=0), 3, 0)
+  assert not grpo.resets_now(GRPOConfig(collapse_after=0), 0, 0)
+
+
+def test_the_watch_says_once_when_an_agent_collapses_and_whether_it_was_reset():
   cfg, watch = GRPOConfig(), StallWatch()
   line = dict(accuracy=0.75, zero_spread=0.5, entropy=0.001, entropy_bonus=0.0)
   assert watch.lines('c', 5, dict(line, collapse_run=2), cfg) == []
-  said, = watch.lines('c', 6, dict(line, collapse_run=3), cfg)
+  said, = watch.lines('c', 6, dict(line, collapse_run=3, collapse_reset=1, resets=1), cfg)
   assert "warning: step 6: agent 'c' has collapsed onto one answer: in 3 batches" in said
+  assert 'reset it to its starting weights with a fresh optimizer (reset 1 of at most 2)' in said
   assert watch.lines('c', 7, dict(line, collapse_run=4), cfg) == []
+  said, = watch.lines('c', 9, dict(line, collapse_run=3, collapse_reset=0, resets=2), cfg)
+  assert 'It was not reset (collapse_resets=2 used)' in said
   assert watch.lines('c', 8, dict(line, collapse_run=3), GRPOConfig(collapse_after=0)) == []
 
 
-FORCED_STEPS, STEPS = 40, 60
+FORCED_STEPS, STEPS = 40, 120
 QUERIES_PER_STEP = 16  # 64 rows / groups of 4
 
 
@@ -70,11 +82,13 @@ class ForcedDigitJudge:
     return episode
 
 
-def test_a_forced_collapse_is_counted_and_said(tmp_path):
-  """Driven onto `y` (entropy below 0.05 nats/token), then the real task: every batch
-  after the forcing counts as collapsed, the run says so once `collapse_after` batches
-  in a row have, and the agent stays no better than the constant (what the warning
-  tells the user to act on)."""
+def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
+  """Driven onto `y` (entropy below 0.05 nats/token), then the real task, where `y` is
+  right 7 times in 10: neither stuck (mostly right) nor without reward, GRPO alone keeps
+  it there (RESULTS.md). On the defaults the collapse is seen after 3 batches, the agent
+  is reset and says so, its entropy is back above 1 nat/token at once, and within 70
+  updates of the reset its balanced accuracy is 0.3 above the constant's (over 5
+  updates) and its accuracy above the constant's 0.7."""
   config = claim_checker.get_config()
   config.steps = config.checkpoint_every = STEPS
   logged = []
@@ -83,9 +97,13 @@ def test_a_forced_collapse_is_counted_and_said(tmp_path):
            if l['agent'] == 'checker' and l.get('updated')]
   forced = [l for l in lines if l['step'] <= FORCED_STEPS]
   assert forced[-1]['entropy'] < 0.05 and {l['collapse_run'] for l in forced} == {0}
-  after = [l for l in lines if l['step'] > FORCED_STEPS]
-  assert max(l['collapse_run'] for l in after) >= 3
+  resets = [l['step'] for l in lines if l.get('collapse_reset')]
+  assert len(resets) == 1 and FORCED_STEPS < resets[0] <= FORCED_STEPS + 10
   said = [line for line in logged if "agent 'checker' has collapsed onto one answer" in line]
-  assert said and all(line.startswith('warning: step ') for line in said)
-  balanced = [l.get('balanced_above_constant', math.nan) for l in after]
-  assert np.nanmax(balanced) < 0.1
+  assert len(said) == 1 and 'reset it to its starting weights' in said[0]
+  after = [l for l in lines if resets[0] < l['step'] <= resets[0] + 70]
+  assert after[0]['entropy'] > 1.0
+  balanced = np.nan_to_num([l.get('balanced_above_constant', math.nan) for l in after])
+  accuracy = np.array([l['accuracy'] for l in after])
+  mean5 = lambda x: np.convolve(x, np.ones(5) / 5, 'valid')
+  assert mean5(balanced).max() >= 0.3 and mean5(accuracy).max() > 0.7

@@ -184,7 +184,8 @@ def test_default_sections_are_generated_from_the_spec_dataclasses():
                                       'loss_norm', 'dynamic_sampling',
                                       'skip_without_signal', 'unstick_below',
                                       'unstick_after', 'collapse_share',
-                                      'collapse_after', 'tis_cap'}  # not the derived
+                                      'collapse_after', 'collapse_resets',
+                                      'tis_cap'}  # not the derived
   c = agent_config()
   c.grpo.clip_eps_high = 0.28
   with pytest.raises(TypeError):

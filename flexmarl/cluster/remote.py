@@ -182,6 +182,10 @@ class RemoteTrainer:
     self._params = None
     return lambda: self.get(refs, 'apply')[0]
 
+  def reset(self) -> None:
+    self.get(self.call('reset'), 'reset')
+    self._params = None
+
   def train_state(self) -> RemoteState:
     """The state stays in the group: checkpoints are written by its ranks
     (`RemoteCheckpointer`), so what the run holds is a token naming it."""

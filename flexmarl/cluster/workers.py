@@ -184,6 +184,9 @@ class TrainerRank:
   def apply(self, step: bool) -> dict[str, float]:
     return self.trainer.dispatch_apply(step)()
 
+  def reset(self) -> None:
+    self.trainer.reset()
+
   def host_params(self) -> dict | None:
     """The parameters as host arrays (rank 0; None elsewhere): what rollout workers load."""
     return _host(self.trainer.params, self.size, self.rank)

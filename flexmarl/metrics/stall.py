@@ -10,7 +10,7 @@ error (`flexmarl.train.grpo.entropy_weights`), rises with it: the framework is p
 it to explore again, and the watch says so, once per rise.
 
 An agent collapsed onto one answer (`flexmarl.train.grpo.collapsed`) gets a line of its
-own, once per collapse.
+own, once per collapse, which says whether it was reset (`grpo.resets_now`).
 """
 
 from __future__ import annotations
@@ -94,13 +94,16 @@ class StallWatch:
       out.append(f'warning: {warning}')
     run = values.get('collapse_run', 0)
     if grpo_cfg.collapse_after and run == grpo_cfg.collapse_after:
+      did = (f'The framework reset it to its starting weights with a fresh optimizer (reset '
+             f'{values.get("resets", 0)} of at most {grpo_cfg.collapse_resets}).'
+             if values.get('collapse_reset') else
+             f'It was not reset (collapse_resets={grpo_cfg.collapse_resets} used): give its '
+             'workflow balanced cases or rewards that separate its answers.')
       out.append(
           f'warning: step {step}: agent {agent!r} has collapsed onto one answer: in {run} '
           f'batches in a row at least {grpo_cfg.collapse_share:.0%} of its sampled answers '
           f'were the same where the right answers differ (accuracy {accuracy:.2f}, policy '
-          f'entropy {entropy:.3g}). GRPO rarely gets out of this by itself and no entropy '
-          'bonus undoes it (measured): give its workflow balanced cases or rewards that '
-          'separate its answers, or train it again from scratch.')
+          f'entropy {entropy:.3g}). {did}')
       return out
     note = self.intervention(agent, step, values.get('entropy_bonus', math.nan),
                              grpo_cfg.entropy_coef, entropy, accuracy)

@@ -236,6 +236,9 @@ class SimTrainer:
     self._tokens += tokens
     self._micro_batches += 1
 
+  def reset(self) -> None:
+    """A simulated trainer holds no weights: nothing to reset."""
+
   def dispatch_apply(self, step: bool = True) -> Callable[[], dict[str, float]]:
     """Queue the optimizer step (and a colocated state's offload). The returned function advances the clock to the step's end and gives
     its stats. `step` is ignored: a simulated step costs the same either way."""

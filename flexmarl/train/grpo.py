@@ -29,8 +29,8 @@ Options from the field, all per agent:
   by default; `takes_step`), unless the agent's batches have been mostly wrong without
   a signal several times in a row (`unstick_below`, `unstick_after`): a collapsed policy
   then steps on the bonus alone.
-- Collapse onto one answer is detected (`collapsed`, `collapse_share`,
-  `collapse_after`): the run says so; no bonus undoes it (measured, RESULTS.md).
+- An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
+  goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """
 
 from __future__ import annotations
@@ -160,13 +160,28 @@ def collapsed(cfg: GRPOConfig, responses: Sequence[np.ndarray],
   This is what neither the advantages nor the error rate tell: a planner that gives
   one plan to every query and scores what that plan scores (0.5, say) still has groups
   whose rewards differ (other agents' noise), and a yes/no judge that always says
-  "y" is right more often than not; both are stuck on a constant all the same. The
-  run says so (metrics `collapse_run`, a line after `collapse_after` such batches)."""
+  "y" is right more often than not; both are stuck on a constant all the same."""
   known = [e for e in expected if e is not None]
   if not cfg.collapse_after or not known:
     return False
   right = collections.Counter(known).most_common(1)[0][1] / len(known)
   return mode_share(responses) >= cfg.collapse_share > right
+
+
+def resets_now(cfg: GRPOConfig, collapse_run: int, resets: int) -> bool:
+  """Whether an agent `collapsed` for `collapse_run` batches in a row, reset `resets`
+  times so far, goes back to its starting weights now: at the `collapse_after`-th such
+  batch, at most `collapse_resets` times a run.
+
+  A policy collapsed onto one answer never samples the others, so no reward ranks them;
+  measured on a yes/no judge driven onto "y" (RESULTS.md): an entropy bonus up to 32×
+  and a bonus-only step with fresh Adam moments did not bring "n" back (large ones
+  spread it over every token, and inflated Adam's second moments then froze it), nor did
+  halfway back to the start (shrink and perturb); the start did, where the task is
+  learnable from it (the resets of Nikishin et al., 2022, "The Primacy Bias in Deep
+  RL", here triggered by the collapse instead of a schedule)."""
+  return (bool(cfg.collapse_after) and collapse_run == cfg.collapse_after
+          and resets < cfg.collapse_resets)
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

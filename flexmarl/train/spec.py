@@ -73,9 +73,12 @@ class GRPOConfig:
   unstick_after: int = 5
   # Collapse onto one answer (grpo.collapsed): after `collapse_after` batches in a row
   # whose sampled answers were at least `collapse_share` one answer where the right
-  # answers differ, the run says so. collapse_after=0: never.
+  # answers differ, the run says so and resets the agent to its starting weights with a
+  # fresh optimizer, at most `collapse_resets` times a run (0: only the warning).
+  # collapse_after=0: never.
   collapse_share: float = 0.9
   collapse_after: int = 3
+  collapse_resets: int = 2
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -115,6 +118,7 @@ class GRPOConfig:
     in_range(f'{field}.collapse_share', g.collapse_share, 0.0, 1.0,
              'is a share of a batch\'s answers, 0 to 1 (0.9: nine in ten alike).')
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
+    whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     return g
 

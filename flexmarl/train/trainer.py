@@ -95,6 +95,8 @@ class AgentTrainer:
                          partition, lora.combine)
     self._steps = (StepCache() if steps is None else steps).get(
         (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
+    # The starting weights (host arrays; a LoRA agent's adapters): what `reset` restores.
+    self._start = jax.device_get(partition(params)[0])
     self.state = AgentState(
         params=params, opt_state=jax.device_get(self.tx.init(partition(params)[0])),
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), location=OnHost(),
@@ -274,6 +276,11 @@ class AgentTrainer:
     if isinstance(state.location, InStorage):
       state, _ = state_lib.move(state, OnHost())
     return {'params': state.params, 'opt_state': state.opt_state}
+
+  def reset(self) -> None:
+    """Back to the starting weights and a fresh optimizer state, kept where the state
+    lives now (what was accumulated is dropped)."""
+    self.load_train_state({'params': self._start, 'opt_state': self.tx.init(self._start)})
 
   def load_train_state(self, state: dict) -> None:
     """Take a restored state, kept where this agent's state lives now."""
