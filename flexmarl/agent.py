@@ -9,6 +9,7 @@ rollout starts serving them. Teams are wired in `flexmarl.build`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import jax
@@ -63,6 +64,8 @@ class Agent:
     self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
     self.collapse_run = 0  # ... and `grpo.collapsed`
     self.resets = 0  # times reset to its starting weights (`grpo.resets_now`)
+    # The right answers of its last calls, which `grpo.answer_weights` balances.
+    self.answers: collections.deque = collections.deque(maxlen=grpo.ANSWER_WINDOW)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
 
@@ -97,7 +100,8 @@ class Agent:
     """What a checkpoint's meta keeps of the agent besides its state: its version and
     the runs of batches its GRPO options count."""
     return dict(version=self.version, stuck_run=self.stuck_run,
-                collapse_run=self.collapse_run, resets=self.resets)
+                collapse_run=self.collapse_run, resets=self.resets,
+                answers=list(self.answers))
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -107,6 +111,8 @@ class Agent:
     self.version = meta['version']
     self.stuck_run, self.collapse_run = meta.get('stuck_run', 0), meta.get('collapse_run', 0)
     self.resets = meta.get('resets', 0)
+    self.answers.clear()
+    self.answers.extend(meta.get('answers', []))
     self._unpublished = Weights(self.trainer.params, version)
     self.publish()
 
@@ -136,7 +142,8 @@ class Agent:
         [g.served.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.served.tokens],
         [lp for g in micro for lp in g.served.logprobs],
-        np.concatenate([g.advantages for g in micro]),
+        np.concatenate([g.advantages * w for g, w in zip(micro, grpo.answer_weights(
+            self.spec.grpo, collections.Counter(self.answers), [g.expected for g in micro]))]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
         on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
@@ -178,6 +185,7 @@ class Agent:
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
     takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
+    self.answers.extend(g.expected for g in batch if g.expected is not None)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
     if reset:
       self.collapse_run, self.resets = 0, self.resets + 1

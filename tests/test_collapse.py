@@ -107,3 +107,18 @@ def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
   accuracy = np.array([l['accuracy'] for l in after])
   mean5 = lambda x: np.convolve(x, np.ones(5) / 5, 'valid')
   assert mean5(balanced).max() >= 0.3 and mean5(accuracy).max() > 0.7
+
+
+def test_answer_weights_balance_few_skewed_right_answers_only():
+  cfg = GRPOConfig()
+  counts = {'y': 749, 'n': 249}  # with one each: 750 / 250 of 1000
+  np.testing.assert_allclose(grpo.answer_weights(cfg, counts, ['y', 'n', None, 'x']),
+                             [1000 / (2 * 750), 1000 / (2 * 250), 1, 1], rtol=1e-6)
+  # Balanced, one answer, too many answers, or off: every weight 1.
+  assert set(grpo.answer_weights(cfg, {'y': 499, 'n': 499}, ['y', 'n'])) == {1.0}
+  assert set(grpo.answer_weights(cfg, {'y': 10}, ['y'])) == {1.0}
+  many = {str(i): i + 1 for i in range(11)}
+  assert set(grpo.answer_weights(cfg, many, ['0', '10'])) == {1.0}
+  assert set(grpo.answer_weights(GRPOConfig(balance_answers=0), counts, ['n'])) == {1.0}
+  # A rare answer's weight is capped.
+  assert grpo.answer_weights(cfg, {'y': 998, 'n': 0}, ['n'])[0] == grpo.MAX_ANSWER_WEIGHT

@@ -25,7 +25,8 @@ metrics), the accuracy at the end (mean over the last 5% of its updates), how fa
 above the best constant and the balanced accuracy there, the verdict ('pass': at least
 ABOVE = 0.3 above its best constant; 'below constant'; 'weak' between), the first step where a 10-update mean passes 0.9,
 the policy entropy at the end (same window), the entropy bonus at the end (its mean
-per token after the error weights), stall warnings and intervention lines. `--quick`:
+per token after the error weights), stall warnings and intervention lines, and the
+resets after a collapse onto one answer (`grpo.resets_now`). `--quick`:
 one seed, short runs (a smoke test of the suite, not a verdict). `--grpo` / `--optimizer`
 try a candidate default on every agent; `--keep=DIR` keeps each run's folder. The last
 line is JSON.
@@ -156,6 +157,7 @@ def agent_report(lines: list[dict], agent: str) -> dict:
       end_best_constant=end_mean('best_constant'), end_above_constant=end_mean('above_constant'),
       end_balanced_accuracy=end_mean('balanced_accuracy'),
       end_balanced_above=end_mean('balanced_above_constant'),
+      resets=int(sum(l.get('collapse_reset', 0) for l in mine)),
       first_pass_step=int(mine[passed[0] + PASS_WINDOW - 1]['step']) if passed.size else None,
       end_entropy=float(np.mean([l['entropy'] for l in mine[-end:]])),
       end_entropy_bonus=float(np.mean([l.get('entropy_bonus', math.nan) for l in mine[-end:]])))
@@ -218,14 +220,16 @@ def _row(shape: str, seed, agent: str, r: dict) -> str:
   return (f"| {shape} | {seed} | {agent} | {f(r.get('best_constant'))} | "
           f"{f(r.get('end_best_constant'))} | {f(r.get('end_accuracy'))} | "
           f"{f(r.get('end_above_constant'))} | {f(r.get('end_balanced_accuracy'))} | "
+          f"{f(r.get('end_balanced_above'))} | {r.get('resets', '–')} | "
           f"{r.get('verdict', '–')} | {f(r.get('first_pass_step'))} | "
           f"{g(r.get('end_entropy'))} | {g(r.get('end_entropy_bonus'))} | "
           f"{r.get('stall_warnings', '–')} | {r.get('interventions', '–')} |")
 
 
 HEADER = ('| shape | seed | agent | best constant (enumerated) | best constant (run) | end '
-          'accuracy | above constant | balanced accuracy | verdict | first ≥0.9 | end entropy '
-          '| end bonus | stall warnings | interventions |\n' + '|---' * 14 + '|')
+          'accuracy | above constant | balanced accuracy | balanced above constant | resets '
+          '| verdict | first ≥0.9 | end entropy | end bonus | stall warnings | interventions |\n'
+          + '|---' * 16 + '|')
 
 
 def main(argv):

@@ -29,6 +29,9 @@ Options from the field, all per agent:
   by default; `takes_step`), unless the agent's batches have been mostly wrong without
   a signal several times in a row (`unstick_below`, `unstick_after`): a collapsed policy
   then steps on the bonus alone.
+- Right answers balanced (`balance_answers`, `answer_weights`): where an agent's right
+  answers are few and skewed, each group's advantages are weighted so that each right
+  answer weighs the same.
 - An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """
@@ -36,7 +39,7 @@ Options from the field, all per agent:
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +185,33 @@ def resets_now(cfg: GRPOConfig, collapse_run: int, resets: int) -> bool:
   RL", here triggered by the collapse instead of a schedule)."""
   return (bool(cfg.collapse_after) and collapse_run == cfg.collapse_after
           and resets < cfg.collapse_resets)
+
+
+ANSWER_WINDOW = 1000  # calls whose right answers `answer_weights` balances
+MAX_ANSWER_WEIGHT = 5.0
+
+
+def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
+                   expected: Sequence[str | None]) -> np.ndarray:
+  """Per group, the weight of its advantages: total / (K · count of its right answer),
+  from `counts` of the right answers of the agent's recent calls (K of them, plus one
+  each), capped at MAX_ANSWER_WEIGHT; 1 for a group without a right answer or an answer
+  not counted, and for every group unless 2 <= K <= `balance_answers`.
+
+  Why: until a policy tells its prompts apart, GRPO's push on an answer is the sum over
+  the groups whose right answer it is; a yes/no judge that sees "y" right three times in
+  four is pushed onto "y" before it learns when to say "n", and stays there (measured:
+  every seed of `experiments/claim_checker.py`, while the same task balanced learns).
+  Weighted, each right answer pushes as hard as the others, as class-balanced losses do
+  for skewed classes."""
+  ones = np.ones(len(expected), np.float32)
+  if not cfg.balance_answers or not 2 <= len(counts) <= cfg.balance_answers:
+    return ones
+  total = sum(counts.values()) + len(counts)
+  for i, answer in enumerate(expected):
+    if answer in counts:
+      ones[i] = min(total / (len(counts) * (counts[answer] + 1)), MAX_ANSWER_WEIGHT)
+  return ones
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

@@ -79,6 +79,11 @@ class GRPOConfig:
   collapse_share: float = 0.9
   collapse_after: int = 3
   collapse_resets: int = 2
+  # Groups weighted so that every right answer weighs the same (grpo.answer_weights),
+  # over the agent's last ANSWER_WINDOW calls, where those have 2 to `balance_answers`
+  # distinct right answers (a yes/no judge that sees mostly right answers; a router with
+  # a rare specialist). 0: off.
+  balance_answers: int = 10
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -119,6 +124,7 @@ class GRPOConfig:
              'is a share of a batch\'s answers, 0 to 1 (0.9: nine in ten alike).')
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
     whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
+    whole_number(f'{field}.balance_answers', g.balance_answers, 0)
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     return g
 

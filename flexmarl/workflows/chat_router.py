@@ -1,7 +1,7 @@
 """A router and its specialists that talk in chat messages, on reasoning-gym tasks.
 
 For real instruct models (their own tokenizer and chat template). Each specialist owns
-one reasoning-gym dataset and is named by a word for its kind of problem ("sum", "gcd");
+one reasoning-gym dataset and is named by a word for its kind of problem ("sum", "product");
 a query is one problem of one of them (uniform mix). The router is shown the problem and
 asked which kind it is, naming the specialists. Who answers: in held-out evaluation the
 first of the router's answers that names exactly one specialist (when none does, the
