@@ -113,7 +113,7 @@ class Agent:
     self.resets = meta.get('resets', 0)
     self.answers.clear()
     self.answers.extend(meta.get('answers', []))
-    self._unpublished = Weights(self.trainer.params, version)
+    self._unpublished = Weights(self.trainer.params, self.version)
     self.publish()
 
   def _train(self, work: Callable[[], None], urgent: bool = True) -> None:

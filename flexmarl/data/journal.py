@@ -114,7 +114,7 @@ def group_ref(g: Group) -> dict:
   its call is read back from its sample ids."""
   s = g.served
   return dict(query_id=s.query_id, agent=s.agent, sample_ids=s.sample_ids,
-              correct=g.correct.tolist())
+              correct=g.correct.tolist(), expected=g.expected)
 
 
 class CarriedRowsLost(RuntimeError):
@@ -153,5 +153,5 @@ def groups_from_store(store: ExperienceStore, agent: str, refs: Sequence[dict]) 
                          [r.response_ids for r in mine], [r.logprobs for r in mine])
     out.append(Group(served, np.array([r.reward for r in mine], np.float32),
                      np.array([r.advantage for r in mine], np.float32),
-                     np.asarray(ref['correct'], np.float32)))
+                     np.asarray(ref['correct'], np.float32), ref.get('expected')))
   return out
