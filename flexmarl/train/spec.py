@@ -81,9 +81,10 @@ class GRPOConfig:
   collapse_resets: int = 2
   # Groups weighted so that every right answer weighs the same (grpo.answer_weights),
   # over the agent's last ANSWER_WINDOW calls, where those have 2 to `balance_answers`
-  # distinct right answers (a yes/no judge that sees mostly right answers; a router with
-  # a rare specialist). 0: off.
-  balance_answers: int = 10
+  # distinct right answers (a yes/no judge that sees mostly right answers). 0: off, the
+  # default: 10 taught an imbalanced checker but broke a verifier and slowed an adder
+  # (experiments/benchmarks/RESULTS.md).
+  balance_answers: int = 0
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
