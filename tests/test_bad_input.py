@@ -406,6 +406,24 @@ def test_edited_config_json_is_compared(trained):
     (trained / 'config.json').write_bytes(before['config.json'])
 
 
+def test_a_workdir_from_before_the_collapse_fields_resumes_with_warnings(trained):
+  """A run started before a GRPO knob existed (its config.json lacks it) carries on, the
+  new field named in a warning, like the other fields a resume may change."""
+  from flexmarl.workdir import check_workdir
+  from flexmarl.workflows import build_workflow
+  before = (trained / 'config.json').read_bytes()
+  saved = json.loads(before)
+  for field in ('collapse_after', 'collapse_resets', 'balance_answers'):
+    del saved['agents']['solver']['grpo'][field]
+  (trained / 'config.json').write_text(json.dumps(saved))
+  try:
+    c = small_config(steps=2)
+    warnings = check_workdir(str(trained), c, build_workflow(c.workflow))
+    assert "agents.solver.grpo.collapse_after: '<absent>' → 3" in ' '.join(warnings)
+  finally:
+    (trained / 'config.json').write_bytes(before)
+
+
 def test_more_steps_warn_and_the_workdir_resumes(trained):
   """Runs last in this file's workdir cases: it carries the run on by one step."""
   logged = []
