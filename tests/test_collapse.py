@@ -123,3 +123,26 @@ def test_answer_weights_balance_few_skewed_right_answers_only():
   assert set(grpo.answer_weights(GRPOConfig(balance_answers=0), counts, ['n'])) == {1.0}
   # A rare answer's weight is capped.
   assert grpo.answer_weights(cfg, {'y': 998, 'n': 0}, ['n'])[0] == grpo.MAX_ANSWER_WEIGHT
+
+
+def test_reset_restores_the_starting_weights_and_a_fresh_optimizer():
+  import jax
+
+  from flexmarl.models import sharding
+  from flexmarl.models.transformer import ModelConfig
+  from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
+  mesh = sharding.make_mesh(jax.devices()[:1], (1, 1))
+  t = AgentTrainer('a', ModelConfig(vocab_size=20, layers=1), OptimizerConfig(), GRPOConfig(),
+                   mesh, seed=3)
+  leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+  start, fresh = leaves(t.params), leaves(t.opt_state)
+  rng = np.random.default_rng(0)
+  t.accumulate(TrainBatch.from_rows([[5, 6]] * 4, [rng.integers(3, 20, size=3)] * 4,
+                                    [np.zeros(3, np.float32)] * 4,
+                                    np.array([1, -1, 1, -1], np.float32), prompt_len=4,
+                                    response_len=4, pad_id=0), 0)
+  t.apply()
+  assert any(not np.array_equal(a, b) for a, b in zip(start, leaves(t.params)))
+  t.reset()
+  for a, b in zip(start + fresh, leaves(t.params) + leaves(t.opt_state)):
+    np.testing.assert_array_equal(a, b)
