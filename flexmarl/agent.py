@@ -96,7 +96,7 @@ class Agent:
       self.training_engine.wait(self.name)
     return self.trainer.train_state()
 
-  def counters(self) -> dict[str, int]:
+  def counters(self) -> dict:
     """What a checkpoint's meta keeps of the agent besides its state: its version and
     the runs of batches its GRPO options count."""
     return dict(version=self.version, stuck_run=self.stuck_run,
@@ -185,7 +185,8 @@ class Agent:
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
     takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
-    self.answers.extend(g.expected for g in batch if g.expected is not None)
+    if cfg.balance_answers:
+      self.answers.extend(g.expected for g in batch if g.expected is not None)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
     if reset:
       self.collapse_run, self.resets = 0, self.resets + 1

@@ -207,14 +207,14 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
   (balanced accuracy 0.30 above the constant on 2 seeds of 3) but a verifier whose
   solver is mostly right, its rare "n" weighted up to MAX_ANSWER_WEIGHT, fell into noise
   (2 seeds of 3), and the default experiment's adder learned slower."""
-  ones = np.ones(len(expected), np.float32)
+  weights = np.ones(len(expected), np.float32)
   if not cfg.balance_answers or not 2 <= len(counts) <= cfg.balance_answers:
-    return ones
+    return weights
   total = sum(counts.values()) + len(counts)
   for i, answer in enumerate(expected):
     if answer in counts:
-      ones[i] = min(total / (len(counts) * (counts[answer] + 1)), MAX_ANSWER_WEIGHT)
-  return ones
+      weights[i] = min(total / (len(counts) * (counts[answer] + 1)), MAX_ANSWER_WEIGHT)
+  return weights
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

@@ -95,8 +95,10 @@ class AgentTrainer:
                          partition, lora.combine)
     self._steps = (StepCache() if steps is None else steps).get(
         (model_cfg, opt_cfg, grpo_cfg, self.layout, tuple(banned_ids)), build)
-    # The starting weights (host arrays; a LoRA agent's adapters): what `reset` restores.
-    self._start = jax.device_get(partition(params)[0])
+    # The starting weights (host arrays; a LoRA agent's adapters): what `reset` restores,
+    # kept only where the collapse reset is on.
+    self._start = (jax.device_get(partition(params)[0])
+                   if grpo_cfg.collapse_after and grpo_cfg.collapse_resets else None)
     self.state = AgentState(
         params=params, opt_state=jax.device_get(self.tx.init(partition(params)[0])),
         rng=np.asarray(jax.random.key_data(jax.random.key(seed))), location=OnHost(),
@@ -280,6 +282,9 @@ class AgentTrainer:
   def reset(self) -> None:
     """Back to the starting weights and a fresh optimizer state, kept where the state
     lives now (what was accumulated is dropped)."""
+    if self._start is None:
+      raise RuntimeError(f'agent {self.name!r}: reset with the collapse reset off '
+                         '(grpo.collapse_after or collapse_resets is 0).')
     self.load_train_state({'params': self._start, 'opt_state': self.tx.init(self._start)})
 
   def load_train_state(self, state: dict) -> None:
