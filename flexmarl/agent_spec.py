@@ -25,14 +25,17 @@ from flexmarl.validate import config_of, fail, read_section, refuse_unknown, who
 # The model fields besides a preset's sizes that the model section lists (so that a
 # command-line flag can set them), with ModelConfig's defaults. Any other ModelConfig
 # field may be given too; it overrides the preset's.
-MODEL_OPTIONS = ('qkv_bias', 'tie_embeddings', 'dtype')
+MODEL_OPTIONS = ('qkv_bias', 'tie_embeddings', 'dtype', 'base_dtype', 'scan_layers')
 NO_BOUND = 2**31  # max_instances of an agent whose rollout section sets 0
 
 
 def model_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   """The model section: a preset's sizes (vocab_size 0: the tokenizer's), or with
-  `checkpoint` an HF Llama/Qwen2 folder, whose config.json gives the architecture (only
-  dtype applies from here) and whose safetensors give the weights. `lora` (rank > 0)
+  `checkpoint` an HF Llama/Qwen2 folder or a GGUF file, which gives the architecture
+  (only dtype, base_dtype and scan_layers apply from here) and the weights.
+  `scan_layers` runs the layers as one scan: compiles in seconds whatever the depth.
+  `base_dtype` (LoRA agents): the frozen base's weights in another dtype than the
+  adapters and the compute (`dtype`), e.g. bfloat16 under float32. `lora` (rank > 0)
   makes the agent adapters on that model, which stays frozen: LoRA agents of the same
   base (the same checkpoint, or the same `base_seed`) share one copy of it per device
   group. `base_seed` (no checkpoint): the seed of the random initialisation (-1: the
@@ -217,7 +220,11 @@ def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[Mod
            f'its vocabulary has {model_cfg.vocab_size} tokens but the tokenizer '
            f'{vocab_size}; use the checkpoint\'s own tokenizer ({agent}.tokenizer, or '
            'config.tokenizer for the whole team).')
-    return dataclasses.replace(model_cfg, lora=adapters), checkpoint
+    try:
+      return dataclasses.replace(model_cfg, lora=adapters, scan_layers=model['scan_layers'],
+                                 base_dtype=model['base_dtype']), checkpoint
+    except ValueError as e:
+      raise ConfigError(f'config.{field}: {e}') from None
   try:
     return ModelConfig(**{**PRESETS[preset], **model, 'vocab_size': model_vocab,
                           'lora': adapters}), ''

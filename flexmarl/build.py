@@ -27,7 +27,7 @@ from flexmarl.data.journal import Journal
 from flexmarl.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
-from flexmarl.models import hf, peft, sharding
+from flexmarl.models import hf, peft, sharding, transformer
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
 from flexmarl.rollout.adapters import AdapterSampler, SharedAdapterSampler
@@ -139,11 +139,11 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
   init = None
   if a.checkpoint and isinstance(where, Mesh):  # read tensor by tensor straight onto the mesh
     init = hf.load_params(a.checkpoint, a.model,
-                          sharding.param_shardings(hf.abstract_params(a.model)[1], where))
+                          sharding.param_shardings(transformer.abstract_model(a.model)[1], where))
   elif a.checkpoint:
     host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
     init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
-        lambda _: host, nnx.to_pure_dict(hf.abstract_params(a.model)[1]))))
+        lambda _: host, nnx.to_pure_dict(transformer.abstract_model(a.model)[1]))))
   return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
                       init_params=init, banned_ids=banned_ids)
 

@@ -24,7 +24,7 @@ from absl import app, flags
 from flax import nnx
 
 from flexmarl.config import agent_spec
-from flexmarl.models import hf, lora, peft
+from flexmarl.models import hf, lora, peft, transformer
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import shared_base
@@ -54,7 +54,7 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
                             f'step {step} is not one of them.')
   # Restore onto one device, as shapes first: nothing is initialised just to be replaced.
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  trainable, frozen = lora.partition(nnx.to_pure_dict(hf.abstract_params(spec.model)[1]),
+  trainable, frozen = lora.partition(nnx.to_pure_dict(transformer.abstract_model(spec.model)[1]),
                                      spec.model.lora)
   like = {'params': trainable,  # a LoRA agent's adapters; else the whole model
           'opt_state': jax.eval_shape(make_optimizer(spec.optimizer).init, trainable)}

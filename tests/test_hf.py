@@ -17,7 +17,7 @@ pytest.importorskip('safetensors', reason='HF parity tests need safetensors')
 
 from flexmarl import config as config_lib  # noqa: E402
 from flexmarl.export import export  # noqa: E402
-from flexmarl.models import hf, sharding  # noqa: E402
+from flexmarl.models import hf, sharding, transformer  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.train.checkpoint import AgentCheckpointer  # noqa: E402
 from flexmarl.train.trainer import AgentTrainer  # noqa: E402
@@ -64,7 +64,7 @@ def _batch():
 
 
 def _flax_logits(cfg, params, tokens, mask):
-  graphdef, _ = hf.abstract_params(cfg)
+  graphdef, _ = transformer.abstract_model(cfg)
   model = nnx.merge(graphdef, params)
   positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
   return np.asarray(model(jnp.asarray(tokens), positions, jnp.asarray(mask))[0])
@@ -81,7 +81,7 @@ def _hf_logits(model, tokens, mask):
 
 def _shardings(cfg, mesh_shape=(1, 2)):
   mesh = sharding.make_mesh(jax.devices()[:mesh_shape[0] * mesh_shape[1]], mesh_shape)
-  return sharding.param_shardings(hf.abstract_params(cfg)[1], mesh)
+  return sharding.param_shardings(transformer.abstract_model(cfg)[1], mesh)
 
 
 @pytest.mark.quick
@@ -148,7 +148,7 @@ def test_bad_checkpoints_are_refused_with_the_field(tmp_path):
 
 def _greedy_answers(cfg, params, tokenizer, prompts, max_new=3):
   """Greedy decoding without a cache: the few steps of a short answer."""
-  graphdef, _ = hf.abstract_params(cfg)
+  graphdef, _ = transformer.abstract_model(cfg)
 
   @jax.jit
   def next_tokens(params, ids, mask):

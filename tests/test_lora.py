@@ -19,7 +19,7 @@ from flexmarl.agent_spec import AgentSpec
 from flexmarl.config import ConfigError, agent_config, build_team_spec
 from flexmarl.export import export
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.models import hf, lora, peft, sharding
+from flexmarl.models import hf, lora, peft, sharding, transformer
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
@@ -150,7 +150,7 @@ def test_adapters_start_fresh_on_a_checkpoint_base(tmp_path):
   _, params = _params(base, seed=5)
   folder = hf.save_hf(base, params, str(tmp_path / 'base'))
   cfg = dataclasses.replace(base, lora=ADAPTERS)
-  shardings = sharding.param_shardings(hf.abstract_params(cfg)[1],
+  shardings = sharding.param_shardings(transformer.abstract_model(cfg)[1],
                                        sharding.make_mesh(jax.devices()[:1], (1, 1)))
   loaded = hf.load_params(folder, cfg, shardings)
   t = AgentTrainer('a', cfg, OptimizerConfig(), grpo.GRPOConfig(), sharding.layout((1, 1)),

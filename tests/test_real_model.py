@@ -69,7 +69,7 @@ def test_gguf_logits_equal_transformers(hf_gguf, tokenizer):
   assert (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size) == (
       30, 576, 9, 3, 64, 49152)
   assert cfg.tie_embeddings and not cfg.qkv_bias
-  graphdef, abstract = hf.abstract_params(cfg)
+  graphdef, abstract = transformer.abstract_model(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
                                                    transformer.nnx.to_pure_dict(abstract)))
@@ -219,9 +219,51 @@ def test_chat_team_trains_evaluates_and_resumes(tmp_path):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f'{k} {a}')
 
 
+def _real_team_config(steps: int, cache: str):
+  """The real-team experiment on the real 30-layer model, at a test's size: groups of 2,
+  4 rows an agent, 3 new tokens, 2 held-out problems a dataset; layers scanned (the
+  compiles take seconds, not minutes); compiled programs kept in `cache` (the resumed
+  run loads them instead of compiling again)."""
+  from experiments import real_team
+  config = real_team.get_config('runlocal')
+  config.steps, config.checkpoint_every, config.eval_every = steps, 1, 2
+  config.compile_cache_dir = cache
+  config.workflow.held_out = 2
+  config.rollout.max_step_queries = 8
+  for agent in config.agents.values():
+    agent.model.scan_layers = True
+    agent.model.lora.rank, agent.model.lora.alpha = 4, 8.0
+    agent.group_size, agent.global_batch, agent.micro_batch = 2, 4, 4
+  return config
+
+
+def test_a_real_lora_team_trains_checkpoints_resumes_and_evaluates(tmp_path):
+  """SmolLM2-135M-Instruct itself, three LoRA agents on its one frozen copy: a step,
+  stopped, resumed for a second, evaluated before the first and after the last."""
+  from flexmarl.metrics.writer import read_metrics
+  from flexmarl.run import train
+  workdir, cache = str(tmp_path / 'run'), str(tmp_path / 'xla')
+  train(_real_team_config(1, cache), workdir)
+  summary = train(_real_team_config(2, cache), workdir)
+  lines = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  agents = ('product', 'router', 'sum')
+  updates = sorted((l['step'], l['agent']) for l in lines
+                   if l['agent'] in agents and l.get('updated'))
+  assert updates == [(s, a) for s in (1, 2) for a in agents]  # each step once: resumed
+  trained = [l for l in lines if l['agent'] in agents and 'loss' in l]
+  assert trained and all(np.isfinite(l['loss']) for l in trained)
+  # The sampler's logprobs of the sampled tokens are the trainer's (both fp32, scanned).
+  assert max(l['logprob_mismatch'] for l in trained) < 1e-4
+  # The base before the first step, the end of each run.
+  evals = sorted((l['step'], l['agent']) for l in lines if 'eval_accuracy' in l)
+  assert evals == [(s, a) for s in (0, 1, 2) for a in sorted(agents + ('team',))]
+  assert set(summary['eval']) == set(agents) | {'team'}
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints', 'router'))) == ['1', '2']
+
+
 def _real_decoder(dtype: str):
   cfg = hf.model_config_from_hf(MODEL, dtype=dtype)
-  graphdef, abstract = hf.abstract_params(cfg)
+  graphdef, abstract = transformer.abstract_model(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
                                                    transformer.nnx.to_pure_dict(abstract)))

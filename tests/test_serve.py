@@ -68,7 +68,7 @@ def _flexmarl_greedy(folder, prompts):
   """Greedy answers of FlexMARL's own sampler on the exported weights."""
   tok = load_tokenizer(folder)
   cfg = hf.model_config_from_hf(folder)
-  graphdef, abstract = hf.abstract_params(cfg)
+  graphdef, abstract = transformer.abstract_model(cfg)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = hf.load_params(folder, cfg,
                           jax.tree.map(lambda _: one, nnx.to_pure_dict(abstract)))

@@ -30,10 +30,13 @@ def test_distinct_prompts_maps_rows_to_each_prompt_once():
     np.testing.assert_array_equal(prompt_mask[of_row[i]], mask[i])
   assert of_row[0] == of_row[2] == of_row[3] and len(set(of_row[:5].tolist())) == 3
   assert of_row[5] == 0  # a padding row
-  # A batch of 16 rows holds 2 (16/8), 8 (16/2) or 16 prompts: 3 distinct take 8 slots.
+  # A batch of 16 rows holds 2 (16/8), 4 (16/4), 8 (16/2) or 16 prompts: 3 distinct take
+  # 4 slots, 5 take 8.
   big_ids, big_mask = left_pad([[1, 2], [3], [4, 5, 6]] * 5 + [[]], 4, PAD)
   shared, shared_mask, _ = distinct_prompts(big_ids, big_mask, rows=15)
-  assert shared.shape == (8, 4) and not shared_mask[3:].any()  # padding prompts
+  assert shared.shape == (4, 4) and not shared_mask[3:].any()  # padding prompts
+  five_ids, five_mask = left_pad([[1, 2], [3], [4, 5, 6], [7], [8]] * 3 + [[]], 4, PAD)
+  assert distinct_prompts(five_ids, five_mask, rows=15)[0].shape == (8, 4)
   # Different tags (adapters) never share: rows 0, 3 and 6 have one prompt, row 3 a tag.
   _, _, tagged = distinct_prompts(big_ids, big_mask, rows=15, tags=np.eye(16)[3])
   assert tagged[0] == tagged[6] != tagged[3]
@@ -69,8 +72,8 @@ def _unshared(batch: TrainBatch) -> TrainBatch:
 def test_shared_prompt_loss_and_gradient_equal_whole_rows():
   graphdef, params = _model()
   shared = _grouped_batch()
-  # 3 prompts, 16 rows: 16/8 = 2 slots are too few, so 16/2 = 8 (`layout.prompt_bucket`).
-  assert shared.shared_prompts.shape[0] == 8 < len(shared.prompts)
+  # 3 prompts, 16 rows: 16/8 = 2 slots are too few, so 16/4 = 4 (`layout.prompt_bucket`).
+  assert shared.shared_prompts.shape[0] == 4 < len(shared.prompts)
   cfg = grpo.GRPOConfig(max_new_tokens=5)
   value_and_grad = jax.jit(jax.value_and_grad(
       lambda p, b: loss_sum(p, None, b, 0.01, graphdef=graphdef, cfg=cfg), has_aux=True))

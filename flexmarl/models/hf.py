@@ -168,11 +168,6 @@ def _tensor_files(hf_dir: str) -> dict[str, str]:
   return files
 
 
-def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-  """The decoder's graphdef and its state as shapes only (nothing allocated)."""
-  return nnx.split(nnx.eval_shape(lambda: transformer.Decoder(cfg, nnx.Rngs(0))))
-
-
 def _tensor_reader(checkpoint: str, cfg: ModelConfig, stack: contextlib.ExitStack
                    ) -> dict[str, Callable[[], np.ndarray]]:
   """HF tensor name → a function reading that tensor (HF layout) from the checkpoint: a
@@ -193,9 +188,10 @@ def _tensor_reader(checkpoint: str, cfg: ModelConfig, stack: contextlib.ExitStac
 
 def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:
   """Params (pure dict, `nnx.to_pure_dict` layout) from an HF folder or a GGUF file, each
-  tensor read lazily, converted, cast to `cfg.dtype` and put onto its sharding in turn."""
+  tensor read lazily, converted, cast to its leaf's dtype (`cfg.dtype`; the base's
+  weights `cfg.weights_dtype`) and put onto its sharding in turn."""
   wanted = param_map(cfg)
-  _, abstract = abstract_params(cfg)
+  _, abstract = transformer.abstract_model(cfg)
   shapes = nnx.to_pure_dict(abstract)
   params: dict = {}
   with contextlib.ExitStack() as stack:
@@ -213,7 +209,7 @@ def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:
       raw = files[name]()
       expected = _get(shapes, path).shape
       try:
-        value = from_hf(raw).astype(jnp.dtype(cfg.dtype))
+        value = from_hf(raw).astype(_get(shapes, path).dtype)
       except ValueError:
         value = raw
       if value.shape != expected:
@@ -237,11 +233,12 @@ def hf_weights(cfg: ModelConfig, params: dict, dtype: str | None = None
   """(HF name, C-contiguous host array) for every parameter, one at a time (export,
   vLLM weight sync); a LoRA model's adapters merged into its weights. Layouts change
   on the device (XLA transposes far faster than numpy); on a single CPU device the
-  host array shares the result's buffer."""
+  host array shares the result's buffer. Default dtype: `cfg.dtype`, what the model
+  computes in (a bf16 base under fp32 adapters exports fp32, merged exactly)."""
   params = lora.merged(params, cfg.lora)
   for path, name, _, to_hf in param_map(cfg):
     value = to_hf(_get(params, path))
-    yield name, np.asarray(value.astype(dtype) if dtype else value)
+    yield name, np.asarray(value.astype(dtype or cfg.dtype))
 
 
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str, tokenizer=None,

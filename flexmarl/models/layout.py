@@ -35,11 +35,13 @@ def bucket(n: int, multiple: int = 1) -> int:
 
 def prompt_bucket(distinct: int, rows: int, multiple: int = 1) -> int:
   """The number of prompt slots for `distinct` prompts in a batch of `rows`: rows/8 (a
-  GRPO group of 8 or more per prompt), rows/2, or rows (nothing shared), each a multiple
-  of `multiple`. Two shapes a batch size, not one per power of two below it: every
-  (rows, prompts) pair is a program to compile and keep, and rare pairs met late in a
-  long run kept adding compiled programs (about 20 MB of memory each, on CPU)."""
-  for slots in (rows // 8, rows // 2):
+  GRPO group of 8 or more per prompt), rows/4 (groups of 4), rows/2, or rows (nothing
+  shared), each a multiple of `multiple`. A few shapes a batch size, not one per count:
+  every (rows, prompts) pair is a program to compile and keep, and rare pairs met late in
+  a long run kept adding compiled programs (about 20 MB of memory each, on CPU). Without
+  rows/4, groups of 4 took rows/2 slots: twice the prompt compute of a real model's step,
+  where a chat prompt is most of a row."""
+  for slots in (rows // 8, rows // 4, rows // 2):
     slots = -(-slots // multiple) * multiple
     if slots >= max(distinct, 1):
       return slots
@@ -54,8 +56,8 @@ def distinct_prompts(ids: np.ndarray, mask: np.ndarray, rows: int, multiple: int
 
   `ids`, `mask` [B, P] as `left_pad` gives them, of which the first `rows` are real.
   Returns (prompts [U, P], their mask [U, P], prompt_of_row [B]): row i's prompt is
-  prompts[prompt_of_row[i]]; padding rows point at prompt 0. U is rounded up to B/8 or
-  B/2 (`prompt_bucket`); padding prompts are empty. When that leaves nothing to share
+  prompts[prompt_of_row[i]]; padding rows point at prompt 0. U is rounded up to B/8, B/4
+  or B/2 (`prompt_bucket`); padding prompts are empty. When that leaves nothing to share
   (U would be B), the rows themselves with prompt_of_row = 0..B-1. `tags` [B]: rows with
   different tags never share (e.g. each row's LoRA adapter, which changes the pass).
   """

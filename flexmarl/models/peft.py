@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flexmarl.models import hf, lora
+from flexmarl.models import hf, lora, transformer
 from flexmarl.models.transformer import ModelConfig
 
 
@@ -76,7 +76,7 @@ def load_peft(folder: str, cfg: ModelConfig) -> dict:
   shape does not fit `cfg`."""
   from safetensors.numpy import load_file
   tensors = load_file(os.path.join(folder, 'adapter_model.safetensors'))
-  shapes = lora.partition(nnx.to_pure_dict(hf.abstract_params(cfg)[1]), cfg.lora)[0]
+  shapes = lora.partition(nnx.to_pure_dict(transformer.abstract_model(cfg)[1]), cfg.lora)[0]
   r, dtype = cfg.lora.rank, jnp.dtype(cfg.dtype)
   out: dict = {}
   for i in range(cfg.layers):

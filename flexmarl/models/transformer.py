@@ -16,6 +16,8 @@ per call against 0.04 ms for `jax.jit` on split state).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,7 +30,12 @@ from flexmarl.models.lora import LoRAConfig
 
 # One layer's (key, value) cache: [batch, kv_heads, cache_len, head_dim] each: the
 # layout attention reads (batch and head leading), so no step copies the cache to transpose it.
-KVCache = list[tuple[jax.Array, jax.Array]]
+# A model's cache: a list of them, one per layer; with `scan_layers`, one (key, value)
+# pair stacked over the layers ([layers, batch, ...]), what the scan reads and writes.
+KVCache = list[tuple[jax.Array, jax.Array]] | tuple[jax.Array, jax.Array]
+
+
+DTYPES = ('float32', 'bfloat16', 'float16')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,14 @@ class ModelConfig:
   qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
   tie_embeddings: bool = True
   dtype: str = 'float32'
+  # Run the layers as one `lax.scan` over their stacked weights: a program compiles in a
+  # time that does not grow with depth (a 30-layer model's train step and sampler in
+  # seconds, not minutes), for a copy of the blocks' weights per call (`stacked_layers`).
+  scan_layers: bool = False
+  # The frozen base's weights in this dtype ('': `dtype`), e.g. 'bfloat16' under fp32
+  # adapters and compute: half the memory of the largest tensors for a rounding of the
+  # base (LoRA agents only; a full agent trains its weights in `dtype`).
+  base_dtype: str = ''
   lora: LoRAConfig = LoRAConfig()  # adapters on a frozen base (rank 0: none)
 
   def __post_init__(self):
@@ -65,6 +80,21 @@ class ModelConfig:
           f'model.rope_scaling type {kind!r} is not supported (supported: '
           f'{list(ROPE_SCALING_TYPES)}); use a checkpoint without it or add its '
           'frequencies to flexmarl.models.transformer.rope_frequencies.')
+    for name, value, allowed in (('dtype', self.dtype, DTYPES),
+                                 ('base_dtype', self.base_dtype, ('',) + DTYPES)):
+      if value not in allowed:
+        raise ValueError(f'model.{name}={value!r} is not a dtype here; choose one of '
+                         f'{list(allowed)}.')
+    if self.base_dtype not in ('', self.dtype) and not self.lora.rank:
+      raise ValueError(
+          f'model.base_dtype={self.base_dtype!r} differs from model.dtype={self.dtype!r} '
+          'but the model has no adapters (model.lora.rank=0): a full-parameter agent '
+          'trains its base in model.dtype. Set base_dtype to \'\' or give it adapters.')
+
+  @property
+  def weights_dtype(self) -> str:
+    """The dtype of the base's weights (the adapters' and the compute's: `dtype`)."""
+    return self.base_dtype or self.dtype
 
 
 # Named sizes, from the test size up to the Qwen2.5-0.5B shape.
@@ -78,9 +108,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
-           scale: float, dtype) -> nnx.Param:
-  value = jax.random.normal(rngs.params(), shape, dtype) * scale
+class Keys:
+  """The keys `rngs.params()` would give in turn, with the stream's count written back
+  once (`close`), not once per key: under a trace (`jax.jit`, `nnx.eval_shape`) each
+  write of an Rngs count costs time that grows with the program traced so far (flax
+  checks the new value's sharding, and a tracer's answer walks the program), which made
+  building a 30-layer model with adapters take 25 s instead of well under one.
+  `draw_base=False`: the base's random weights are left as shapes (their keys still
+  counted), for a caller that wants a LoRA model's fresh adapters alone."""
+
+  def __init__(self, rngs: nnx.Rngs, draw_base: bool = True):
+    self.stream, self.draw_base = rngs.params, draw_base
+    self.key, self.start, self.drawn = self.stream.key[...], self.stream.count[...], 0
+
+  def __call__(self) -> jax.Array:
+    self.drawn += 1
+    return jax.random.fold_in(self.key, self.start + (self.drawn - 1))
+
+  def close(self) -> None:
+    self.stream.count[...] = self.start + self.drawn
+
+
+def _param(keys: Keys, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           scale: float, dtype, adapter: bool = False) -> nnx.Param:
+  key = keys()
+  if adapter or keys.draw_base:
+    value = jax.random.normal(key, shape, dtype) * scale
+  else:
+    value = jax.ShapeDtypeStruct(shape, dtype)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
@@ -89,11 +144,11 @@ class LoRA(nnx.Module):
   it adds nothing until it trains. Served with one adapter per row (leaves
   [B, in..., rank] and [B, rank, out...], see `lora.gather_rows`), row i uses its own."""
 
-  def __init__(self, rngs: nnx.Rngs, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+  def __init__(self, keys: Keys, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                in_axes: tuple[str | None, ...], out_axes: tuple[str | None, ...],
                cfg: LoRAConfig, dtype):
-    self.lora_a = _param(rngs, in_shape + (cfg.rank,), in_axes + (None,),
-                         float(np.prod(in_shape)) ** -0.5, dtype)
+    self.lora_a = _param(keys, in_shape + (cfg.rank,), in_axes + (None,),
+                         float(np.prod(in_shape)) ** -0.5, dtype, adapter=True)
     self.lora_b = nnx.Param(jnp.zeros((cfg.rank,) + out_shape, dtype),
                             out_sharding=(None,) + out_axes, eager_sharding=False)
     self.scale = cfg.scale
@@ -106,14 +161,14 @@ class LoRA(nnx.Module):
         x.dtype)
 
 
-def _add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs,
+def _add_adapters(module: nnx.Module, cfg: ModelConfig, keys: Keys,
                   projections: dict[str, tuple[int, tuple[str | None, ...]]]) -> None:
   """Give `module` a `NAME_lora` adapter for each of its `projections` (name →
   (input dims, logical axes of its weight)) that `cfg.lora` targets."""
   for name, (n_in, axes) in projections.items():
     if name in cfg.lora.targets:
       shape = getattr(module, name).shape
-      setattr(module, f'{name}_lora', LoRA(rngs, shape[:n_in], shape[n_in:], axes[:n_in],
+      setattr(module, f'{name}_lora', LoRA(keys, shape[:n_in], shape[n_in:], axes[:n_in],
                                            axes[n_in:], cfg.lora, jnp.dtype(cfg.dtype)))
 
 
@@ -174,14 +229,14 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    dt = jnp.dtype(cfg.dtype)
+  def __init__(self, cfg: ModelConfig, keys: Keys):
+    dt = jnp.dtype(cfg.weights_dtype)
     s = cfg.hidden ** -0.5
     self.cfg = cfg
-    self.q = _param(rngs, (cfg.hidden, cfg.heads, cfg.head_dim), ('embed', 'heads', None), s, dt)
-    self.k = _param(rngs, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
-    self.v = _param(rngs, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
-    self.o = _param(rngs, (cfg.heads, cfg.head_dim, cfg.hidden), ('heads', None, 'embed'),
+    self.q = _param(keys, (cfg.hidden, cfg.heads, cfg.head_dim), ('embed', 'heads', None), s, dt)
+    self.k = _param(keys, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
+    self.v = _param(keys, (cfg.hidden, cfg.kv_heads, cfg.head_dim), ('embed', 'kv_heads', None), s, dt)
+    self.o = _param(keys, (cfg.heads, cfg.head_dim, cfg.hidden), ('heads', None, 'embed'),
                     (cfg.heads * cfg.head_dim) ** -0.5, dt)
     if cfg.qkv_bias:
       zeros = lambda *shape: jnp.zeros(shape, dt)
@@ -189,8 +244,8 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
       self.v_bias = nnx.Param(zeros(cfg.kv_heads, cfg.head_dim), out_sharding=('kv_heads', None), eager_sharding=False)
 
-  def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    _add_adapters(self, cfg, rngs, {
+  def add_adapters(self, cfg: ModelConfig, keys: Keys) -> None:
+    _add_adapters(self, cfg, keys, {
         'q': (1, ('embed', 'heads', None)), 'k': (1, ('embed', 'kv_heads', None)),
         'v': (1, ('embed', 'kv_heads', None)), 'o': (2, ('heads', None, 'embed'))})
 
@@ -232,14 +287,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    dt = jnp.dtype(cfg.dtype)
-    self.gate = _param(rngs, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
-    self.up = _param(rngs, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
-    self.down = _param(rngs, (cfg.mlp, cfg.hidden), ('mlp', 'embed'), cfg.mlp ** -0.5, dt)
+  def __init__(self, cfg: ModelConfig, keys: Keys):
+    dt = jnp.dtype(cfg.weights_dtype)
+    self.gate = _param(keys, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
+    self.up = _param(keys, (cfg.hidden, cfg.mlp), ('embed', 'mlp'), cfg.hidden ** -0.5, dt)
+    self.down = _param(keys, (cfg.mlp, cfg.hidden), ('mlp', 'embed'), cfg.mlp ** -0.5, dt)
 
-  def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    _add_adapters(self, cfg, rngs, {'gate': (1, ('embed', 'mlp')), 'up': (1, ('embed', 'mlp')),
+  def add_adapters(self, cfg: ModelConfig, keys: Keys) -> None:
+    _add_adapters(self, cfg, keys, {'gate': (1, ('embed', 'mlp')), 'up': (1, ('embed', 'mlp')),
                                     'down': (1, ('mlp', 'embed'))})
 
   def __call__(self, x):
@@ -250,12 +305,12 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    dt = jnp.dtype(cfg.dtype)
+  def __init__(self, cfg: ModelConfig, keys: Keys):
+    dt = jnp.dtype(cfg.weights_dtype)
     self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, keys)
     self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MLP(cfg, keys)
 
   def __call__(self, x, positions, kv_mask, cache, write_index):
     h, cache = self.attn(self.attn_norm(x), positions, kv_mask, cache, write_index)
@@ -266,46 +321,92 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
   """The policy: token ids in, next-token logits out."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    dt = jnp.dtype(cfg.dtype)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | Keys):
+    dt = jnp.dtype(cfg.weights_dtype)
+    keys = rngs if isinstance(rngs, Keys) else Keys(rngs)
     self.cfg = cfg
     # Small embeddings keep the initial policy near uniform (tied logits = x·E).
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'),
+    self.embed = _param(keys, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'),
                         cfg.hidden ** -0.5, dt)
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+    self.blocks = nnx.List([Block(cfg, keys) for _ in range(cfg.layers)])
     self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dt)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden, cfg.vocab_size), ('embed', 'vocab'),
+      self.lm_head = _param(keys, (cfg.hidden, cfg.vocab_size), ('embed', 'vocab'),
                             cfg.hidden ** -0.5, dt)
     # Adapters draw their keys after every base weight: a seed gives the same base
     # with or without them.
     if cfg.lora.rank:
       for block in self.blocks:
-        block.attn.add_adapters(cfg, rngs)
-        block.mlp.add_adapters(cfg, rngs)
+        block.attn.add_adapters(cfg, keys)
+        block.mlp.add_adapters(cfg, keys)
+    keys.close()
+
+  def stacked_layers(self) -> nnx.State | None:
+    """The blocks' parameters stacked on a leading layer axis, what the scan runs over
+    (None unless `cfg.scan_layers`). It copies the blocks' weights: a caller that runs
+    the model several times in one program (the sampler's decode loop, a micro-batch's
+    two passes) takes it once and passes it as `layers`."""
+    if not self.cfg.scan_layers:
+      return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in self.blocks))
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
                cache: KVCache | None = None, write_index: jax.Array | int = 0,
-               last: int | None = None) -> tuple[jax.Array, KVCache | None]:
+               last: int | None = None, layers: nnx.State | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: [B, L]; kv_mask: [B, S] marks real (non-pad) key slots,
     S = L without a cache, the cache length with one. Returns fp32 logits [B, L, V],
     or only those of the `last` positions (the LM head is costly; callers often need
-    a few)."""
-    x = self.embed[...][tokens]
-    new_cache = [] if cache is not None else None
-    for i, block in enumerate(self.blocks):
-      x, layer_cache = block(x, positions, kv_mask, None if cache is None else cache[i], write_index)
-      if cache is not None:
-        new_cache.append(layer_cache)
+    a few). `layers`: `stacked_layers()`, taken once by the caller (scan_layers only)."""
+    x = self.embed[...][tokens].astype(self.cfg.dtype)  # a bf16 base computes in dtype
+    if self.cfg.scan_layers:
+      block = nnx.graphdef(self.blocks[0])
+
+      def layer(x, params_and_cache):
+        params, layer_cache = params_and_cache
+        return nnx.merge(block, params)(x, positions, kv_mask, layer_cache, write_index)
+
+      stacked = self.stacked_layers() if layers is None else layers
+      x, new_cache = jax.lax.scan(layer, x, (stacked, cache))
+    else:
+      new_cache = [] if cache is not None else None
+      for i, block in enumerate(self.blocks):
+        x, layer_cache = block(x, positions, kv_mask, None if cache is None else cache[i],
+                               write_index)
+        if cache is not None:
+          new_cache.append(layer_cache)
     x = self.norm(x if last is None else x[:, -last:])
     head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     return (x @ head).astype(jnp.float32), new_cache
 
 
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """The decoder's graphdef and its state as shapes only (nothing allocated). Kept per
+  config: a 30-layer model's shapes take ~0.7 s to build and a run asks a dozen times;
+  each caller gets a State of its own to fill."""
+  graphdef, state = _abstract_model(cfg)
+  return graphdef, jax.tree.map(lambda x: x, state)
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
   shape = (batch, cfg.kv_heads, length, cfg.head_dim)
   dt = jnp.dtype(cfg.dtype)
+  if cfg.scan_layers:
+    return (jnp.zeros((cfg.layers,) + shape, dt), jnp.zeros((cfg.layers,) + shape, dt))
   return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.layers)]
+
+
+def cache_rows(cache: KVCache, rows: Callable[[jax.Array], jax.Array]) -> KVCache:
+  """`rows` (a function of a [B, ...] array, e.g. copying a shared prompt's entries to
+  the rows that continue it) applied to every layer's keys and values."""
+  if isinstance(cache, list):
+    return [(rows(k), rows(v)) for k, v in cache]
+  return tuple(jax.vmap(rows)(x) for x in cache)
 
 
 def count_params(state: nnx.State) -> int:

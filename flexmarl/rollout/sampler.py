@@ -135,7 +135,8 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
   if prompts.shape[0] != batch:  # else nothing is shared: prompt_of_row is 0..B-1
     of_rows = lambda x: jnp.take(x, prompt_of_row, axis=0)
     logits, kv_mask, positions = of_rows(logits), of_rows(kv_mask), of_rows(positions)
-    cache = [(of_rows(k), of_rows(v)) for k, v in cache]
+    cache = transformer.cache_rows(cache, of_rows)
+  layers = model.stacked_layers()  # once, not per decoded token
 
   # Every row's uniforms for every step, at once (see the module docstring).
   uniforms = jax.vmap(lambda key: jax.random.uniform(key, (max_new_tokens,)))(keys)
@@ -155,7 +156,8 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
     logprobs = logprobs.at[:, t].set(jnp.where(done, 0.0, logprob))
     slot = prompt_len + t
     kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, (~done)[:, None], slot, 1)
-    new_logits, cache = model(token[:, None], pos[:, None], kv_mask, cache, slot)
+    new_logits, cache = model(token[:, None], pos[:, None], kv_mask, cache, slot,
+                              layers=layers)
     lengths = lengths + (~done)
     done = done | jnp.isin(token, jnp.array(stop_ids)) | (lengths >= limits)
     return t + 1, new_logits[:, 0], cache, kv_mask, pos + 1, done, lengths, tokens, logprobs

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flexmarl.models import hf, lora
+from flexmarl.models import hf, lora, transformer
 from flexmarl.models.transformer import ModelConfig
 
 # The quant methods whose weights are plain tensors (or one GEMM handle made from them).
@@ -74,7 +74,7 @@ def _stacked(parts: Parts) -> tuple[int, ...]:
 
 def kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The shape of every parameter `kernel_weights` makes for `cfg` (nothing computed)."""
-  abstract = nnx.to_pure_dict(hf.abstract_params(cfg)[1])
+  abstract = nnx.to_pure_dict(transformer.abstract_model(cfg)[1])
   parts = jax.eval_shape(lambda p: dict(kernel_weights(cfg, p)), abstract)
   return {name: _stacked(p) for name, p in parts.items()}
 

@@ -25,19 +25,20 @@ def response_logits(model: transformer.Decoder, batch: dict) -> jax.Array:
   cache = transformer.init_cache(model.cfg, prompts.shape[0], prompt_len + response_len - 1)
   kv_mask = jnp.pad(prompt_mask, ((0, 0), (0, response_len - 1)))
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+  layers = model.stacked_layers()  # once for both passes
   # The last prompt position predicts the first response token.
-  first, cache = model(prompts, positions, kv_mask, cache, 0, last=1)
+  first, cache = model(prompts, positions, kv_mask, cache, 0, last=1, layers=layers)
   if prompts.shape[0] != responses.shape[0]:  # else nothing is shared: row i is prompt i
     pick = jax.nn.one_hot(batch['prompt_of_row'], prompts.shape[0], dtype=first.dtype)
     # A one-hot contraction, not a gather: its gradient is a dot, not a scatter-add.
     of_rows = lambda x: jnp.einsum('bu,u...->b...', pick.astype(x.dtype), x)
-    first, cache = of_rows(first), [(of_rows(k), of_rows(v)) for k, v in cache]
+    first, cache = of_rows(first), transformer.cache_rows(cache, of_rows)
   if response_len == 1:
     return first
   row_mask = batch['prompt_mask']
   kv_mask = jnp.concatenate([row_mask, batch['response_mask'][:, :-1]], 1)
   positions = jnp.sum(row_mask, axis=1, keepdims=True) + jnp.arange(response_len - 1)
-  rest, _ = model(responses[:, :-1], positions, kv_mask, cache, prompt_len)
+  rest, _ = model(responses[:, :-1], positions, kv_mask, cache, prompt_len, layers=layers)
   return jnp.concatenate([first, rest], 1)
 
 

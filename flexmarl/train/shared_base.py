@@ -57,7 +57,7 @@ def load_base(model: ModelConfig, checkpoint: str, seed: int) -> LoadBase:
       on = shardings
       if on is None:
         host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
-        on = jax.tree.map(lambda _: host, nnx.to_pure_dict(hf.abstract_params(cfg)[1]))
+        on = jax.tree.map(lambda _: host, nnx.to_pure_dict(transformer.abstract_model(cfg)[1]))
       params = hf.load_params(checkpoint, cfg, on)
     else:  # eager, as an agent's own random init is
       params = nnx.to_pure_dict(nnx.state(transformer.Decoder(cfg, nnx.Rngs(params=seed))))

@@ -27,8 +27,7 @@ def check_pool(pool_devices: int, layouts: Mapping[str, sharding.MeshLayout],
 
 
 def _abstract_params(model_cfg: transformer.ModelConfig) -> dict:
-  model = nnx.eval_shape(lambda: transformer.Decoder(model_cfg, nnx.Rngs(params=0)))
-  return nnx.to_pure_dict(nnx.state(model))
+  return nnx.to_pure_dict(transformer.abstract_model(model_cfg)[1])
 
 
 def param_count(model_cfg: transformer.ModelConfig) -> int:

@@ -1,0 +1,88 @@
+"""`model.scan_layers`: the layers run as one scan over their stacked weights, and the
+numbers are the unrolled model's: the forward pass, the sampler (shared prompts, one
+adapter per row) and the trainer's gradient."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+import pytest
+
+from flexmarl.models import lora
+from flexmarl.models.lora import LoRAConfig
+from flexmarl.models.transformer import Decoder, ModelConfig
+from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import response_logprobs
+
+CFG = ModelConfig(vocab_size=24, layers=3, lora=LoRAConfig(rank=4, alpha=8.0))
+PROMPTS = [[1, 5, 6, 7], [1, 5, 6, 7], [1, 9], [1, 9], [1, 3, 4, 5, 6, 8], [1, 4]]
+
+
+def _both() -> tuple[dict[bool, nnx.GraphDef], dict]:
+  """The graphdefs of the scanned and the unrolled model, and their one params tree
+  (the weights are stored alike: a scan stacks them per call), adapters trained a little."""
+  graphdefs, params = {}, None
+  for scan in (False, True):
+    graphdef, state = nnx.split(Decoder(dataclasses.replace(CFG, scan_layers=scan),
+                                        nnx.Rngs(params=0)))
+    graphdefs[scan], pure = graphdef, nnx.to_pure_dict(state)
+    if params is not None:
+      assert jax.tree.all(jax.tree.map(np.array_equal, params, pure))
+    params = pure
+  rng = np.random.default_rng(1)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: rng.normal(size=x.shape).astype(x.dtype) * 0.1
+      if path[-1].key == 'lora_b' else x, params)
+  return graphdefs, params
+
+
+def test_the_scanned_forward_is_the_unrolled_one():
+  graphdefs, params = _both()
+  tokens = np.array([[1, 5, 6, 7, 9], [0, 0, 1, 3, 4]], np.int32)
+  mask = tokens > 0
+  positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+  unrolled, scanned = (np.asarray(nnx.merge(graphdefs[s], params)(tokens, positions, mask)[0])
+                       for s in (False, True))
+  assert np.abs(unrolled).max() > 0.1
+  np.testing.assert_allclose(scanned, unrolled, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('temperature', [1.0, 0.0])
+def test_the_scanned_sampler_draws_what_the_unrolled_one_does(temperature):
+  graphdefs, params = _both()
+  adapters, base = lora.partition(params, CFG.lora)
+  agents = lora.stack([adapters, jax.tree.map(lambda x: x * 2, adapters)])
+  keys = np.stack([sample_key(0, 'x', 0, str(i)) for i in range(len(PROMPTS))])
+  rows = np.array([0, 0, 1, 1, 0, 1])
+  sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=5)
+  out = {s: EmbeddedSampler(graphdefs[s], lora.combine(agents, base), max_prompt_len=6,
+                            eos_id=2, pad_id=0, adapters=2).generate(
+                                PROMPTS, keys, sampling, adapter_rows=rows)
+         for s in (False, True)}
+  np.testing.assert_array_equal(out[True].tokens, out[False].tokens)
+  np.testing.assert_array_equal(out[True].lengths, out[False].lengths)
+  np.testing.assert_allclose(out[True].logprobs, out[False].logprobs, atol=2e-5)
+
+
+def test_the_scanned_gradient_is_the_unrolled_one():
+  """Shared prompts (each GRPO group's prompt runs once) and both passes of the loss."""
+  graphdefs, params = _both()
+  responses = [np.array([3, 4, 2]), np.array([5, 2]), np.array([7]), np.array([8, 9, 10, 2]),
+               np.array([3]), np.array([11, 2])]
+  batch = dataclasses.asdict(TrainBatch.from_rows(
+      PROMPTS, responses, [np.zeros(len(r), np.float32) for r in responses],
+      np.linspace(-1, 1, len(PROMPTS)), prompt_len=8, response_len=4, pad_id=0))
+  assert len(batch['shared_prompts']) < len(batch['responses'])  # the prompts are shared
+
+  def loss(p, scan):
+    logp, _ = response_logprobs(graphdefs[scan], p, batch, 1.0)
+    return jnp.sum(logp * batch['response_mask'] * batch['advantages'][:, None])
+
+  grads = {s: jax.grad(loss)(params, s) for s in (False, True)}
+  pairs = list(zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads[True]), strict=True))
+  assert max(float(np.abs(g).max()) for g, _ in pairs) > 1e-3
+  for unrolled, scanned in pairs:
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5, rtol=1e-4)
