@@ -15,10 +15,8 @@ per call against 0.04 ms for `jax.jit` on split state).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,85 +25,16 @@ from flax import nnx
 
 from flexmarl.models import lora as lora_lib
 from flexmarl.models.lora import LoRAConfig
+# The config and its named sizes live apart (read by parts that build no model); the
+# decoder's users find them here too.
+from flexmarl.models.model_config import PRESETS, ModelConfig  # noqa: F401
+from flexmarl.models.rope import rope, rope_frequencies
 
 # One layer's (key, value) cache: [batch, kv_heads, cache_len, head_dim] each: the
 # layout attention reads (batch and head leading), so no step copies the cache to transpose it.
 # A model's cache: a list of them, one per layer; with `scan_layers`, one (key, value)
 # pair stacked over the layers ([layers, batch, ...]), what the scan reads and writes.
 KVCache = list[tuple[jax.Array, jax.Array]] | tuple[jax.Array, jax.Array]
-
-
-DTYPES = ('float32', 'bfloat16', 'float16')
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of one policy. Defaults are the ≈100k-parameter test size."""
-
-  vocab_size: int = 64
-  hidden: int = 64
-  layers: int = 2
-  heads: int = 4
-  kv_heads: int = 2
-  head_dim: int = 16
-  mlp: int = 128
-  rope_theta: float = 10000.0
-  # HF `rope_scaling` as sorted (key, value) pairs (hashable); () for plain RoPE.
-  # Supported types: 'linear' and 'llama3' (see `rope_frequencies`).
-  rope_scaling: tuple[tuple[str, Any], ...] = ()
-  norm_eps: float = 1e-6
-  qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
-  tie_embeddings: bool = True
-  dtype: str = 'float32'
-  # Run the layers as one `lax.scan` over their stacked weights: a program compiles in a
-  # time that does not grow with depth (a 30-layer model's train step and sampler in
-  # seconds, not minutes), for a copy of the blocks' weights per call (`stacked_layers`).
-  scan_layers: bool = False
-  # The frozen base's weights in this dtype ('': `dtype`), e.g. 'bfloat16' under fp32
-  # adapters and compute: half the memory of the largest tensors for a rounding of the
-  # base (LoRA agents only; a full agent trains its weights in `dtype`).
-  base_dtype: str = ''
-  lora: LoRAConfig = LoRAConfig()  # adapters on a frozen base (rank 0: none)
-
-  def __post_init__(self):
-    if self.heads % self.kv_heads:
-      raise ValueError(
-          f'model.heads={self.heads} is not a multiple of model.kv_heads='
-          f'{self.kv_heads}: grouped-query attention shares each KV head among '
-          'a whole number of query heads. Pick kv_heads dividing heads.')
-    scaling = dict(self.rope_scaling)
-    kind = scaling.get('rope_type', scaling.get('type', 'default'))
-    if kind not in ROPE_SCALING_TYPES:
-      raise ValueError(
-          f'model.rope_scaling type {kind!r} is not supported (supported: '
-          f'{list(ROPE_SCALING_TYPES)}); use a checkpoint without it or add its '
-          'frequencies to flexmarl.models.transformer.rope_frequencies.')
-    for name, value, allowed in (('dtype', self.dtype, DTYPES),
-                                 ('base_dtype', self.base_dtype, ('',) + DTYPES)):
-      if value not in allowed:
-        raise ValueError(f'model.{name}={value!r} is not a dtype here; choose one of '
-                         f'{list(allowed)}.')
-    if self.base_dtype not in ('', self.dtype) and not self.lora.rank:
-      raise ValueError(
-          f'model.base_dtype={self.base_dtype!r} differs from model.dtype={self.dtype!r} '
-          'but the model has no adapters (model.lora.rank=0): a full-parameter agent '
-          'trains its base in model.dtype. Set base_dtype to \'\' or give it adapters.')
-
-  @property
-  def weights_dtype(self) -> str:
-    """The dtype of the base's weights (the adapters' and the compute's: `dtype`)."""
-    return self.base_dtype or self.dtype
-
-
-# Named sizes, from the test size up to the Qwen2.5-0.5B shape.
-PRESETS: dict[str, dict[str, Any]] = {
-    'tiny': dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128),
-    'small': dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, mlp=256),
-    'base': dict(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768),
-    'qwen2.5-0.5b': dict(vocab_size=151936, hidden=896, layers=24, heads=14,
-                         kv_heads=2, head_dim=64, mlp=4864, rope_theta=1e6,
-                         norm_eps=1e-6, tie_embeddings=True),
-}
 
 
 class Keys:
@@ -188,43 +117,6 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     var = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
     return (x * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.scale[...]
-
-
-ROPE_SCALING_TYPES = ('default', 'linear', 'llama3')
-
-
-def rope_frequencies(head_dim: int, theta: float,
-                     scaling: tuple[tuple[str, Any], ...] = ()) -> jax.Array:
-  """Inverse frequencies [head_dim / 2], with HF's 'linear' or 'llama3' scaling."""
-  half = head_dim // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  s = dict(scaling)
-  kind = s.get('rope_type', s.get('type', 'default'))
-  if kind == 'default':
-    return inv_freq
-  if kind == 'linear':
-    return inv_freq / s['factor']
-  if kind == 'llama3':
-    factor, low, high = s['factor'], s['low_freq_factor'], s['high_freq_factor']
-    old_len = s['original_max_position_embeddings']
-    wavelen = 2 * jnp.pi / inv_freq
-    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(medium, smoothed, scaled)
-  raise ValueError(f'model.rope_scaling type {kind!r} is not supported; supported: '
-                   f'{list(ROPE_SCALING_TYPES)}.')
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotary embedding, HF 'rotate_half' convention. x: [B, L, H, D]."""
-  half = x.shape[-1] // 2
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, half]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
