@@ -293,10 +293,11 @@ class VLLMSampler:
       try:
         return self._run(prompts, keys, params, limits, rows)
       except Exception as e:
+        self._log(f'vLLM engine failed ({type(e).__name__}: {e})')
         if attempt == self.engine_cfg.max_restarts or self._probe():
           raise
-        self._log(f'vLLM engine failed ({type(e).__name__}: {e}); restarting it with '
-                  f'version {self.version} and retrying {len(prompts)} requests')
+        self._log(f'restarting the vLLM engine with version {self.version} and retrying '
+                  f'{len(prompts)} requests')
         self._stop()
         self._start()
         self.restarts += 1
