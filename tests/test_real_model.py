@@ -275,9 +275,7 @@ def _real_decoder(dtype: str, base_dtype: str = ''):
   params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
                                                    transformer.nnx.to_pure_dict(abstract)))
   if base_dtype:
-    keys = transformer.Keys(transformer.nnx.Rngs(params=0), draw_base=False)
-    fresh = transformer.nnx.to_pure_dict(transformer.nnx.state(transformer.Decoder(cfg, keys)))
-    params = lora.combine(lora.partition(fresh, cfg.lora)[0], params)
+    params = lora.combine(transformer.fresh_adapters(cfg, 0), params)
   transformer.nnx.replace_by_pure_dict(abstract, params)
   return transformer.nnx.merge(graphdef, abstract)
 

@@ -129,8 +129,8 @@ def train_step(rows: int, prompt: int, response: int, variants: list[str]) -> li
   for variant in variants:
     kind, dtype, *options = variant.split(':')
     cfg = _variant(hf.model_config_from_hf(MODEL, dtype), kind, options)
-    base = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0), base_dtype='')
-    base = dataclasses.replace(base, dtype=cfg.weights_dtype)
+    base = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0), base_dtype='',
+                               dtype=cfg.weights_dtype)
     _, abstract = transformer.abstract_model(base)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = hf.load_params(MODEL, base, jax.tree.map(lambda _: device,
@@ -179,9 +179,7 @@ def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> li
     weights = jax.tree.map(lambda x: x.astype(served_cfg.weights_dtype), params)
     rows_of = {}
     if kind == 'lora':  # three agents' adapters over the base, one per row, as a run serves
-      keys_of = transformer.Keys(nnx.Rngs(params=0), draw_base=False)
-      fresh = lora.partition(nnx.to_pure_dict(nnx.state(
-          transformer.Decoder(served_cfg, keys_of))), served_cfg.lora)[0]
+      fresh = transformer.fresh_adapters(served_cfg, 0)
       weights = lora.combine(lora.stack([fresh] * 3), weights)
       rows_of = dict(adapter_rows=np.arange(rows) % 3)
     # No stop id: every row generates `new` tokens on every backend.

@@ -32,15 +32,6 @@ from flexmarl.train.state import AgentState, InStorage, OnHost, OnMesh, Transfer
 from flexmarl.train.step import StepCache, Steps, build_steps
 
 
-def _fresh_adapters(model_cfg: transformer.ModelConfig, seed: int) -> dict:
-  """The adapters `Decoder(model_cfg, Rngs(params=seed))` starts with, in host memory.
-  The base's random weights are never drawn (`Keys(draw_base=False)`), and it runs
-  eagerly: jitted, a 30-layer model's ~200 random draws took 15 s to compile."""
-  keys = transformer.Keys(nnx.Rngs(params=seed), draw_base=False)
-  model = transformer.Decoder(model_cfg, keys)
-  return jax.device_get(lora.partition(nnx.to_pure_dict(nnx.state(model)), model_cfg.lora)[0])
-
-
 class AgentTrainer:
   """One agent's training state and its compiled steps, bound to a mesh while it trains.
 
@@ -76,7 +67,7 @@ class AgentTrainer:
       self.graphdef, nnx_state = transformer.abstract_model(model_cfg)
       params = init_params or {}
       if model_cfg.lora.rank and not lora.partition(params, model_cfg.lora)[0]:
-        params = lora.combine(_fresh_adapters(model_cfg, seed), params)
+        params = lora.combine(jax.device_get(transformer.fresh_adapters(model_cfg, seed)), params)
     partition = functools.partial(lora.partition, lora=model_cfg.lora)
     self._partition = partition
     self.base: SharedBase | None = None
