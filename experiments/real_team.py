@@ -87,7 +87,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     return a
 
   config.agents = {'router': agent(32), 'sum': agent(16), 'product': agent(16)}
-  if 'full' not in variants and 'vllm' not in variants:
-    # One rollout instance holds the base once and all three adapters.
+  if 'full' not in variants:
+    # One rollout instance (embedded or one vLLM engine) holds the base once and all three
+    # adapters.
     config.rollout.adapter_groups = [['router', 'sum', 'product']]
   return config

@@ -49,6 +49,10 @@ class VLLMEngineConfig:
   kv_cache_bytes: int = 0
   enforce_eager: bool = True
   max_num_seqs: int = 256
+  # Prompt tokens one engine step may prefill; 0: 2048 (vLLM's default). Raised to
+  # max_model_len and max_num_seqs if below: prompts are never split across steps
+  # (see vllm_engine.scheduler_args).
+  max_num_batched_tokens: int = 0
   max_restarts: int = 2  # per batch, after which its Future carries the error
   # Torch threads of an engine on CPU; 0: every core this process may use (see
   # vllm_engine.cpu_threads for when fewer pay).

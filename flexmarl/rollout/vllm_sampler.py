@@ -8,7 +8,8 @@ prefix cache; other models take them through vLLM's layer-wise `reload_weights`.
 ids go in and out; our tokenizer supplies the stop ids and the banned ids (never sampled).
 
 Randomness: each row is its own request with `n=1` and a vLLM seed derived from
-the row's key, so a sample never depends on the batch it shares. Logprobs are of
+the row's key, so a sample never depends on the batch it shares (prompts are never
+split across engine steps: see `vllm_engine.scheduler_args`). Logprobs are of
 the sampled token under the temperature-scaled distribution, as the trainer
 computes them (`logprobs_mode='processed_logprobs'`; top-p would renormalise them,
 so it is refused until the trainer applies it too).
@@ -46,10 +47,11 @@ from flexmarl.models import hf, lora, peft
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check, vllm_weights
 from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
-from flexmarl.rollout.vllm_engine import (AdapterSlot, check_batch, check_head_dim, engine_env,
-                                          engine_model, huge_pages_advice, max_lora_rank,
+from flexmarl.rollout.vllm_engine import (AdapterSlot, abort_unfinished, check_batch,
+                                          check_head_dim, engine_env, engine_model,
+                                          huge_pages_advice, max_lora_rank,
                                           reload_in_checkpoint_format, row_seed, same_tree,
-                                          sample_batch, set_cpu_threads)
+                                          sample_batch, scheduler_args, set_cpu_threads)
 
 
 class VLLMSampler:
@@ -82,11 +84,8 @@ class VLLMSampler:
     self.starts = self.syncs = 0  # engine starts (the first included), weight syncs
     self.last_sync_s = 0.0
     # whether weight syncs copy into the model (else: a full reload; LoRA: never needed)
-    self.in_place = False
-    self._log = log
-    self._params = params
-    self._llm = None
-    self._closed = False
+    self.in_place, self._closed, self._llm = False, False, None
+    self._log, self._params = log, params
     check_head_dim(self.cfg.head_dim)
     for agent, slot in self.slots.items():
       self._write_adapter(slot, named[agent].params)
@@ -196,8 +195,8 @@ class VLLMSampler:
       self._llm = LLM(
           model=weights, skip_tokenizer_init=True, dtype=e.dtype, max_model_len=e.max_model_len,
           gpu_memory_utilization=e.gpu_memory_utilization, enforce_eager=e.enforce_eager,
-          max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=e.kv_cache_bytes or None,
-          logprobs_mode='processed_logprobs', seed=0, **lora_args)
+          kv_cache_memory_bytes=e.kv_cache_bytes or None, logprobs_mode='processed_logprobs',
+          seed=0, **scheduler_args(e), **lora_args)
     self.starts += 1
     if self.lora.rank:  # the base is never synced; the adapters load on first use
       return
@@ -294,6 +293,7 @@ class VLLMSampler:
         return self._run(prompts, keys, params, limits, rows)
       except Exception as e:
         self._log(f'vLLM engine failed ({type(e).__name__}: {e})')
+        abort_unfinished(self._llm)  # else the probe waits behind the failed requests
         if attempt == self.engine_cfg.max_restarts or self._probe():
           raise
         self._log(f'restarting the vLLM engine with version {self.version} and retrying '
