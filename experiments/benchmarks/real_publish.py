@@ -11,7 +11,10 @@ metrics:
   the first publish left out (it may compile);
 - mismatch: per update, the mean |Δ logprob| and the KL estimate between the sampler's
   and the trainer's log-probabilities of the sampled tokens (`logprob_mismatch`,
-  `mismatch_kl`), mean and max over the run.
+  `mismatch_kl`), mean and max over the run;
+- rollout: generated tokens/s of the run's rollout instances, from the `generate` spans
+  after step 1 (its compiles and engine warm-up left out): their tokens over the time
+  any of them was generating.
 
 Variants: `lora` (the experiment as shipped: LoRA adapters, embedded sampler, fp32),
 `full` and `vllm` and `full+vllm` (the experiment's own variants), `bf16` (LoRA, every
@@ -58,6 +61,8 @@ def read(variant: str, workdir: str) -> dict:
   for e in syncs:
     by_agent.setdefault(e.get('args', {}).get('agent', '?'), []).append(e['dur'] / 1e6)
   publish = [s for durations in by_agent.values() for s in durations[1:]]
+  generates = [e for e in events if e.get('ph') == 'X' and e.get('cat') == 'generate'
+               and e.get('args', {}).get('step', 1) > 1]
   rows = []
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     for line in f:
@@ -66,12 +71,22 @@ def read(variant: str, workdir: str) -> dict:
         rows.append(row)
   delta = [r['logprob_mismatch'] for r in rows]
   kl = [r['mismatch_kl'] for r in rows]
-  return dict(variant=variant, publishes=len(publish),
+  return dict(variant=variant, rollout_tok_s=tokens_per_s(generates), publishes=len(publish),
               publish_median_s=statistics.median(publish) if publish else None,
               publish_max_s=max(publish) if publish else None,
               updates=len(rows), mismatch_mean=statistics.mean(delta) if delta else None,
               mismatch_max=max(delta) if delta else None,
               kl_mean=statistics.mean(kl) if kl else None, kl_max=max(kl) if kl else None)
+
+
+def tokens_per_s(spans: list[dict]) -> float | None:
+  """The spans' tokens over the union of their intervals (instances generate at once)."""
+  busy, end = 0.0, float('-inf')
+  for e in sorted(spans, key=lambda e: e['ts']):
+    start, stop = max(e['ts'], end), e['ts'] + e['dur']
+    busy, end = busy + max(0.0, stop - start), max(end, stop)
+  tokens = sum(e['args']['tokens'] for e in spans)
+  return tokens / (busy / 1e6) if busy else None
 
 
 def main() -> None:
