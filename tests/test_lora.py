@@ -193,16 +193,21 @@ def _run_model(workdir: str, name: str, step: int) -> tuple[ModelConfig, dict, d
 
 
 def _checkpoint(workdir: str, agent: str, step: int) -> dict:
-  """A saved train state, layer keys as the model's (Orbax gives them back as strings)."""
+  """A saved train state, its layers as the model's: stored stacked (train.layer_stack),
+  split here by hand."""
   path = os.path.abspath(os.path.join(workdir, 'checkpoints', agent, str(step), 'state'))
-  return _int_keys(ocp.StandardCheckpointer().restore(path))
+  return _split_blocks(ocp.StandardCheckpointer().restore(path))
 
 
-def _int_keys(tree):
+def _split_blocks(tree):
   if not isinstance(tree, dict):
     return tree
-  return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v)
-          for k, v in tree.items()}
+  out = {k: _split_blocks(v) for k, v in tree.items()}
+  if 'blocks' in out:
+    stacked = out['blocks']
+    layers = len(jax.tree.leaves(stacked)[0])
+    out['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(layers)}
+  return out
 
 
 @pytest.fixture(scope='module')

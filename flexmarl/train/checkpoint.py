@@ -15,6 +15,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from flexmarl.train import layer_stack
+
+# The meta key that says how the state's arrays are laid out (absent: as the train state).
+LAYOUT = '_layout'
+STACKED = 'stacked-layers'  # layer_stack.stack: each layer dict as one stacked layer
+
 
 def _target(x):
   """What Orbax restores `x`'s leaf into: the same sharding for device arrays (and for
@@ -25,6 +31,14 @@ def _target(x):
   if on_device:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   return np.empty(x.shape, x.dtype)
+
+
+def _place(value: np.ndarray, like):
+  """A restored host array where `_target` would have put `like`'s leaf."""
+  target = _target(like)
+  if isinstance(target, jax.ShapeDtypeStruct):
+    return jax.device_put(value, target.sharding)
+  return np.asarray(value)
 
 
 class CheckpointError(RuntimeError):
@@ -43,17 +57,26 @@ class AgentCheckpointer:
     return list(self.manager.all_steps())
 
   def save(self, step: int, train_state: dict, meta: dict) -> None:
-    """Asynchronous: returns once the arrays are copied, writes in the background."""
+    """Asynchronous: returns once the arrays are copied, writes in the background. The
+    layers are stored stacked (`layer_stack`: far fewer arrays to write and read) where
+    this process holds them whole."""
+    if layer_stack.readable(train_state):
+      train_state, meta = layer_stack.stack(train_state), {**meta, LAYOUT: STACKED}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(train_state), meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, like: dict) -> tuple[dict, dict]:
     """Restore onto the shardings of `like` (a train state of the right structure): its
-    device arrays' shardings, or numpy where `like` is in host memory."""
-    target = jax.tree.map(_target, like)
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    return out['state'], out['meta']
+    device arrays' shardings, or numpy where `like` is in host memory. Checkpoints
+    written before layers were stacked restore as they were saved."""
+    meta = self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))['meta']
+    stacked = meta.pop(LAYOUT, None) == STACKED
+    target = (layer_stack.stacked_target(like, _target) if stacked
+              else jax.tree.map(_target, like))
+    state = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))['state']
+    return (layer_stack.unstack(state, like, _place) if stacked else state), meta
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
