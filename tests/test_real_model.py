@@ -185,6 +185,7 @@ def _chat_team_config(steps: int):
   config.compile_cache_dir = ''
   config.workflow.held_out = 2
   config.rollout.max_step_queries = 8
+  config.rollout.query_concurrency = 8
   for agent in config.agents.values():
     agent.model = ml_collections.ConfigDict(dict(agent.model.to_dict(), checkpoint='', base_seed=7,
                                                  lora=dict(rank=4, alpha=8.0)))
@@ -230,10 +231,11 @@ def _real_team_config(steps: int, cache: str):
   config.compile_cache_dir = cache
   config.workflow.held_out = 2
   config.rollout.max_step_queries = 8
+  config.rollout.query_concurrency = 8
   for agent in config.agents.values():
     agent.model.scan_layers = True
     agent.model.lora.rank, agent.model.lora.alpha = 4, 8.0
-    agent.group_size, agent.global_batch, agent.micro_batch = 2, 4, 4
+    agent.group_size, agent.global_batch, agent.micro_batch = 2, 2, 2
   return config
 
 
