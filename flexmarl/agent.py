@@ -10,7 +10,6 @@ rollout starts serving them. Teams are wired in `flexmarl.build`.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 from collections.abc import Callable, Sequence
 
 import jax
@@ -51,15 +50,11 @@ class Agent:
   def __init__(self, spec: AgentSpec, trainer: Trainer, pool: InstancePool,
                checkpointer: Checkpointer, *, prompt_len: int, pad_id: int,
                clock: Clock | None = None, recorder: spans.SpanRecorder | None = None,
-               timeline: Timeline | None = None, training_engine: TrainingEngine | None = None,
-               train_thread: bool = False):
+               timeline: Timeline | None = None, training_engine: TrainingEngine | None = None):
     """`clock` times the steps (`train_s`); `recorder` gets weight-sync spans and
     `timeline` the spans of the training devices (a simulated team records its own).
     `training_engine`: the training pool's, which binds the trainer to a mesh for each piece of
-    work; None: the trainer stays on its own mesh. `train_thread` (without a pool): the
-    trainer's work runs in order on a thread of the agent's own, so that agents on their
-    own meshes trace, compile and dispatch side by side (a first step's compiles overlap)
-    instead of one after another; every read of the trainer waits for it."""
+    work; None: the trainer stays on its own mesh."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
     self.prompt_len, self.pad_id = prompt_len, pad_id
     self.training_engine = training_engine
@@ -73,9 +68,6 @@ class Agent:
     self.answers: collections.deque = collections.deque(maxlen=grpo.ANSWER_WINDOW)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
-    self._thread = (concurrent.futures.ThreadPoolExecutor(1, f'train-{spec.name}')
-                    if train_thread and training_engine is None else None)
-    self._inflight: list[concurrent.futures.Future] = []  # work on `_thread`, in order
 
   @property
   def name(self) -> str:
@@ -84,7 +76,6 @@ class Agent:
   def publish(self) -> None:
     """Send the last update's weights to every rollout instance of the agent (a no-op
     when they serve them already)."""
-    self._wait()  # the update that set `_unpublished` may still be on the thread
     weights, self._unpublished = self._unpublished, None
     if weights is None:
       return
@@ -101,7 +92,6 @@ class Agent:
   def train_state(self) -> dict:
     """The trainer's state for a checkpoint, once no copy of it is in flight (a training
     pool moves states on threads of its own)."""
-    self._wait()
     if self.training_engine is not None:
       self.training_engine.wait(self.name)
     return self.trainer.train_state()
@@ -115,7 +105,6 @@ class Agent:
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
-    self._wait()
     if self.training_engine is not None:
       self.training_engine.wait(self.name)  # a copy in flight would overwrite it
     self.trainer.load_train_state(train_state)
@@ -129,21 +118,12 @@ class Agent:
 
   def _train(self, work: Callable[[], None], urgent: bool = True) -> None:
     """Run `work` on the trainer: at once, or through the pool's engine (which, unless
-    `urgent`, may leave it queued rather than move another agent's state out), or
-    queue it on the agent's own thread."""
-    if self._thread is not None:
-      self._inflight.append(self._thread.submit(work))
-    elif self.training_engine is None:
+    `urgent`, may leave it queued rather than move another agent's state out)."""
+    if self.training_engine is None:
       work()
     else:
       self.training_engine.submit(self.name, work)
       self.training_engine.run((self.name,) if urgent else ())
-
-  def _wait(self) -> None:
-    """Until the work queued on the agent's thread has run; its first error raised."""
-    inflight, self._inflight = self._inflight, []
-    for future in inflight:
-      future.result()
 
   def expect_training(self) -> None:
     """The agent's batch starts filling (a step's rollout has begun): on a training
@@ -223,10 +203,9 @@ class Agent:
                           version=version)
     self._train(step)
     self.version = version + 1
+    result, = dispatched
 
     def finish() -> Stats:
-      self._wait()  # the step dispatched (the result it gives)
-      result, = dispatched
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
                    stuck_run=stuck_run, collapse_run=collapse_run,
@@ -238,8 +217,6 @@ class Agent:
     return finish
 
   def close(self) -> None:
-    if self._thread is not None:
-      self._thread.shutdown()  # after the work queued on it
     self.checkpointer.wait()
     if self.timeline is not None:
       self.timeline.close()

@@ -66,9 +66,6 @@ class Factories:
     (None: the backend gives every agent instances of its own).
   retarget(name, spec): how the agent takes over another agent's rollout instance in
     place (None: a new sampler is made for it).
-  train_threads: each agent's training work on a thread of its own (`Agent`), where
-    agents train on devices of their own and a thread may drive them (not under a
-    simulated clock).
   """
 
   trainer: Callable[[str, AgentSpec, int, placement_lib.MeshPlacement | None], Trainer]
@@ -79,7 +76,6 @@ class Factories:
   timeline: Callable[[str], Timeline | None] = lambda name: None
   shared_sampler: Callable[[Sequence[str], Mapping[str, Trainer]], MakeShared] | None = None
   retarget: Callable[[str, AgentSpec], Retarget | None] = lambda name, spec: None
-  train_threads: bool = False
 
 
 def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Factories,
@@ -122,7 +118,7 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
     agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
                          prompt_len=spec.max_prompt_len, pad_id=pad_ids[name], clock=clock,
                          recorder=recorder, timeline=factories.timeline(name),
-                         training_engine=engine, train_thread=factories.train_threads)
+                         training_engine=engine)
   return agents
 
 
@@ -258,7 +254,7 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
 
   return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
                    training_pool, lambda name: Timeline(recorder, f'train:{name}'),
-                   shared_sampler, retarget, train_threads=True)
+                   shared_sampler, retarget)
 
 
 def balance_group(spec: TeamSpec, a: AgentSpec) -> tuple:
