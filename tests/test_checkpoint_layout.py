@@ -45,9 +45,12 @@ def test_layers_are_stored_stacked_and_restore_exactly_on_another_mesh(tmp_path)
   stored = ckpt.manager.item_metadata(3)['state']
   assert len(jax.tree.leaves(stored)) < len(jax.tree.leaves(saved)) // 2
   blocks = stored['params']['blocks']
-  saved_blocks = {str(k): v for k, v in saved['params']['blocks'].items()}  # Orbax's keys
-  assert '0' not in blocks and '0' in saved_blocks  # one stacked layer, not layers 0, 1, 2
+  assert set(blocks) == {layer_stack.STACKED}  # one stacked layer, not layers 0, 1, 2
   assert all(x.shape[0] == MODEL.layers for x in jax.tree.leaves(blocks))
+  read, meta = ckpt.read(3)  # without a state to restore onto: the layers split again
+  assert meta == {'version': 1} and sorted(read['params']['blocks']) == [0, 1, 2]
+  for x, y in _pairs(read['params'], saved['params']):
+    np.testing.assert_array_equal(x, np.asarray(y))
 
   other = _trained(sharding.make_mesh(devices[4:6], (2,), ('fsdp',)), seed=1).train_state()
   restored, meta = ckpt.restore(3, other)
@@ -82,11 +85,13 @@ def test_only_dicts_of_identical_layers_are_stacked():
           'named': {'x': np.zeros(2), 'y': np.zeros(2)},  # not keyed 0..L-1
           'single': {0: np.zeros(2)}, 'n': (np.int32(7),)}
   stacked = layer_stack.stack(tree)
-  assert stacked['blocks']['w'].shape == (3, 2, 3)
-  np.testing.assert_array_equal(stacked['blocks']['b'][:, 0], [0, 1, 2])
+  assert stacked['blocks'][layer_stack.STACKED]['w'].shape == (3, 2, 3)
+  np.testing.assert_array_equal(stacked['blocks'][layer_stack.STACKED]['b'][:, 0], [0, 1, 2])
   for key in ('ragged', 'named', 'single', 'n'):
     assert jax.tree.structure(stacked[key]) == jax.tree.structure(tree[key])
   back = layer_stack.unstack(stacked, tree, lambda value, like: np.asarray(value))
   assert jax.tree.structure(back) == jax.tree.structure(tree)
   for x, y in _pairs(back, tree):
     np.testing.assert_array_equal(x, y)
+  split = layer_stack.split(stacked)  # without `tree`: what the stored structure says
+  assert jax.tree.structure(split) == jax.tree.structure(tree)

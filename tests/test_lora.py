@@ -9,7 +9,6 @@ import os
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
@@ -193,21 +192,8 @@ def _run_model(workdir: str, name: str, step: int) -> tuple[ModelConfig, dict, d
 
 
 def _checkpoint(workdir: str, agent: str, step: int) -> dict:
-  """A saved train state, its layers as the model's: stored stacked (train.layer_stack),
-  split here by hand."""
-  path = os.path.abspath(os.path.join(workdir, 'checkpoints', agent, str(step), 'state'))
-  return _split_blocks(ocp.StandardCheckpointer().restore(path))
-
-
-def _split_blocks(tree):
-  if not isinstance(tree, dict):
-    return tree
-  out = {k: _split_blocks(v) for k, v in tree.items()}
-  if 'blocks' in out:
-    stacked = out['blocks']
-    layers = len(jax.tree.leaves(stacked)[0])
-    out['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(layers)}
-  return out
+  """A saved train state, its layers as the model's."""
+  return AgentCheckpointer(workdir, agent).read(step)[0]
 
 
 @pytest.fixture(scope='module')

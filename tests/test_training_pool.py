@@ -11,7 +11,6 @@ import types
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from experiments import hierarchical_assistant
@@ -22,6 +21,7 @@ from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import sharding
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import sizing
+from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.pool_meshes import PoolMesh
 from flexmarl.train.state import OnHost, Transfer
@@ -80,8 +80,8 @@ def runs(tmp_path_factory):
 
 
 def _params(workdir, agent, step=STEPS):
-  path = os.path.abspath(os.path.join(workdir, 'checkpoints', agent, str(step), 'state'))
-  return [np.asarray(x) for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(path)['params'])]
+  state, _ = AgentCheckpointer(workdir, agent).read(step)
+  return [np.asarray(x) for x in jax.tree.leaves(state['params'])]
 
 
 def _lines(workdir):

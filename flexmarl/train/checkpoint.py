@@ -78,6 +78,16 @@ class AgentCheckpointer:
         state=ocp.args.StandardRestore(target)))['state']
     return (layer_stack.unstack(state, like, _place) if stacked else state), meta
 
+  def read(self, step: int) -> tuple[dict, dict]:
+    """The state and meta of `step` as stored, in host memory, without a state to restore
+    onto (to inspect a checkpoint); its layers split again where they were stacked."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    meta = dict(out['meta'])
+    stacked = meta.pop(LAYOUT, None) == STACKED
+    state = jax.device_get(out['state'])
+    return (layer_stack.split(state) if stacked else state), meta
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

@@ -7,7 +7,8 @@ LoRA agent's state (7 adapters of 2 matrices per layer, with Adam's two moments)
 
 `stack` and `unstack` are inverses over the same structure: a node is a layer dict when
 its keys are 0..L-1 (L >= 2) and its layers have one structure and the same leaf
-shapes and dtypes. Stacking runs in host memory (a checkpoint is copied there anyway),
+shapes and dtypes. A stacked node is `{STACKED: layer of [L, ...] arrays}`, so a
+checkpoint read without a target still says what it holds (`split`). Stacking runs in host memory (a checkpoint is copied there anyway),
 so it needs arrays this process can read whole (`readable`); `unstack` puts each
 restored layer where the caller says (its leaf's sharding).
 """
@@ -18,6 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+STACKED = 'stacked_layers'  # the one key of a stacked layer dict
 
 
 def _shape(x) -> tuple:
@@ -48,8 +51,9 @@ def stack(tree: Any) -> Any:
   """`tree` with each layer dict replaced by one layer of host arrays [L, ...]."""
   nodes, treedef = jax.tree.flatten(tree, is_leaf=is_layers)
   return treedef.unflatten([
-      jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
-                   *(n[i] for i in range(len(n)))) if is_layers(n) else n for n in nodes])
+      {STACKED: jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                             *(n[i] for i in range(len(n))))} if is_layers(n) else n
+      for n in nodes])
 
 
 def stacked_target(like: Any, target) -> Any:
@@ -57,7 +61,7 @@ def stacked_target(like: Any, target) -> Any:
   for the other leaves, host arrays [L, ...] for each layer dict's."""
   nodes, treedef = jax.tree.flatten(like, is_leaf=is_layers)
   return treedef.unflatten([
-      jax.tree.map(lambda x: np.empty((len(n),) + tuple(np.shape(x)), x.dtype), n[0])
+      {STACKED: jax.tree.map(lambda x: np.empty((len(n),) + tuple(np.shape(x)), x.dtype), n[0])}
       if is_layers(n) else jax.tree.map(target, n) for n in nodes])
 
 
@@ -69,8 +73,20 @@ def unstack(restored: Any, like: Any, place) -> Any:
   out = []
   for node, part in zip(nodes, parts):
     if is_layers(node):
-      out.append({i: jax.tree.map(lambda s, l, i=i: place(s[i], l), part, node[i])
+      out.append({i: jax.tree.map(lambda s, l, i=i: place(s[i], l), part[STACKED], node[i])
                   for i in range(len(node))})
     else:
       out.append(part)
   return treedef.unflatten(out)
+
+
+def split(tree: Any) -> Any:
+  """A stacked tree read without a target, its layers split again ({0: ..., 1: ...})."""
+  if isinstance(tree, (list, tuple)):
+    return type(tree)(split(x) for x in tree)
+  if not isinstance(tree, dict):
+    return tree
+  if set(tree) == {STACKED}:
+    layers = len(jax.tree.leaves(tree[STACKED])[0])
+    return {i: jax.tree.map(lambda x, i=i: x[i], tree[STACKED]) for i in range(layers)}
+  return {k: split(v) for k, v in tree.items()}
