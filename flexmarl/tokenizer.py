@@ -75,6 +75,13 @@ class TextTokenizer:
                          '(e.g. lower-case them), or use an HF tokenizer (config.tokenizer).')
     return self.hf.encode(text).ids
 
+  def __getstate__(self) -> dict:
+    """For pickling (Ray ships tokenizers to its workers): without the compiled chat
+    template, which does not pickle; it is compiled again on first use."""
+    state = dict(self.__dict__)
+    state.pop('_template', None)
+    return state
+
   @property
   def chat_template(self) -> str | None:
     return self.hf_config.get('chat_template')

@@ -4,6 +4,7 @@ the chat template against `apply_chat_template`, stopping at the end-of-turn tok
 task source's reward wiring and held-out split, held-out evaluation."""
 
 import os
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,10 @@ def test_chat_template_ids_equal_transformers(hf_gguf, tokenizer):
       assert tokenizer.hf.encode(text, add_special_tokens=False).ids == want
   # Raw strings keep working: the tokenizer's own call (no BOS for this model).
   assert tokenizer.encode_prompt('3+4=') == tok('3+4=')['input_ids']
+  # A tokenizer that has rendered (its template compiled) pickles, as Ray ships it to
+  # its workers, and renders the same there.
+  shipped = pickle.loads(pickle.dumps(tokenizer))
+  assert shipped.encode_prompt(MESSAGES[-1]) == tokenizer.encode_prompt(MESSAGES[-1])
 
 
 def test_gguf_logits_equal_transformers(hf_gguf, tokenizer):
