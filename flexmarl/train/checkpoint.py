@@ -19,7 +19,7 @@ from flexmarl.train import layer_stack
 
 # The meta key that says how the state's arrays are laid out (absent: as the train state).
 LAYOUT = '_layout'
-STACKED = 'stacked-layers'  # layer_stack.stack: each layer dict as one stacked layer
+LAYERS_STACKED = 'stacked-layers'  # layer_stack.stack: each layer dict as one stacked layer
 
 
 def _target(x):
@@ -61,7 +61,7 @@ class AgentCheckpointer:
     layers are stored stacked (`layer_stack`: far fewer arrays to write and read) where
     this process holds them whole."""
     if layer_stack.readable(train_state):
-      train_state, meta = layer_stack.stack(train_state), {**meta, LAYOUT: STACKED}
+      train_state, meta = layer_stack.stack(train_state), {**meta, LAYOUT: LAYERS_STACKED}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(train_state), meta=ocp.args.JsonSave(meta)))
 
@@ -71,7 +71,7 @@ class AgentCheckpointer:
     written before layers were stacked restore as they were saved."""
     meta = self.manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))['meta']
-    stacked = meta.pop(LAYOUT, None) == STACKED
+    stacked = meta.pop(LAYOUT, None) == LAYERS_STACKED
     target = (layer_stack.stacked_target(like, _target) if stacked
               else jax.tree.map(_target, like))
     state = self.manager.restore(step, args=ocp.args.Composite(
@@ -84,7 +84,7 @@ class AgentCheckpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
     meta = dict(out['meta'])
-    stacked = meta.pop(LAYOUT, None) == STACKED
+    stacked = meta.pop(LAYOUT, None) == LAYERS_STACKED
     state = jax.device_get(out['state'])
     return (layer_stack.split(state) if stacked else state), meta
 

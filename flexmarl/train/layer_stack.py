@@ -8,9 +8,10 @@ LoRA agent's state (7 adapters of 2 matrices per layer, with Adam's two moments)
 `stack` and `unstack` are inverses over the same structure: a node is a layer dict when
 its keys are 0..L-1 (L >= 2) and its layers have one structure and the same leaf
 shapes and dtypes. A stacked node is `{STACKED: layer of [L, ...] arrays}`, so a
-checkpoint read without a target still says what it holds (`split`). Stacking runs in host memory (a checkpoint is copied there anyway),
-so it needs arrays this process can read whole (`readable`); `unstack` puts each
-restored layer where the caller says (its leaf's sharding).
+checkpoint read without a target still says what it holds (`split`). Stacking runs in
+host memory (a checkpoint is copied there anyway), so it needs arrays this process can
+read whole (`readable`); `unstack` puts each restored layer where the caller says (its
+leaf's sharding).
 """
 
 from __future__ import annotations
