@@ -41,7 +41,9 @@ FLAGS = [f'--config.steps={STEPS}', '--config.checkpoint_every=3',
 
 def _train(workdir, schedule, kill_after_step=None, delay=0.0):
   """Run the trainer; with `kill_after_step`, SIGKILL it `delay` s after it has logged
-  that step of the run."""
+  that step of the run (or the first step past it, where a restart resumed beyond it),
+  or at once when it logs the step after that: steps can take a few milliseconds, and
+  a kill that came after the end would find the run finished."""
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}',
              PYTHONUNBUFFERED='1')
   proc = subprocess.Popen(
@@ -50,11 +52,17 @@ def _train(workdir, schedule, kill_after_step=None, delay=0.0):
       stderr=subprocess.STDOUT, text=True)
   watchdog = threading.Timer(300, proc.kill)
   watchdog.start()
-  output = []
+  output, timer = [], None
   for line in proc.stdout:
     output.append(line)
-    if kill_after_step is not None and line.startswith(f'step {kill_after_step}/'):
-      threading.Timer(delay, proc.kill).start()
+    logged = re.match(r'step (\d+)/', line)
+    if kill_after_step is None or not logged or int(logged.group(1)) < kill_after_step:
+      continue
+    if timer is None:
+      timer = threading.Timer(delay, proc.kill)
+      timer.start()
+    else:
+      proc.kill()
   proc.wait()
   watchdog.cancel()
   return proc.returncode, ''.join(output)
