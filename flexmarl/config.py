@@ -288,9 +288,7 @@ def place_team(spec: TeamSpec, device_ids: Sequence[int]) -> TeamSpec:
                                     a.instance_devices, hosts.get(n, ''))
        for n, a in agents.items()},
       rollout.devices, device_ids, training.pool_devices, list(training.mesh_shapes),
-      strict=spec.placement_policy == 'strict', state_bytes=lambda: _state_bytes(agents),
-      no_pool=('agents that start from model.checkpoint cannot share a training pool yet'
-               if any(a.checkpoint for a in agents.values()) else ''))
+      strict=spec.placement_policy == 'strict', state_bytes=lambda: _state_bytes(agents))
   if placement.fitted:  # the spec says what runs: the fitted fields
     rollout = dataclasses.replace(rollout, devices=placement.mode)
     training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(

@@ -14,8 +14,8 @@ from flexmarl.placement import (AgentDemand, Fit, Placement, derive, devices_nee
 
 def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int],
         pool_devices: int = 0, mesh_shapes: Sequence[tuple[int, ...]] = (), *,
-        strict: bool = False, state_bytes: Callable[[], Mapping[str, int]] = dict,
-        no_pool: str = '') -> Placement:
+        strict: bool = False, state_bytes: Callable[[], Mapping[str, int]] = dict
+        ) -> Placement:
   """`derive`, fitted to the devices there are when the layout asked for needs more.
 
   A config that places anything explicitly (device ids, a training pool) is never
@@ -23,8 +23,8 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
   devices: with `separate`, rollout instances move onto their agents' training devices;
   if the agents' own meshes still do not fit, they share a training pool over every
   device (one mesh of each shape, more while devices remain). `state_bytes` gives each
-  agent's training state (the cost of a pool's swaps); `no_pool` says why the agents
-  cannot share a pool ('' : they can). Even that not fitting raises `derive`'s error.
+  agent's training state (the cost of a pool's swaps). Even that not fitting raises
+  `derive`'s error.
   """
   asked, n = devices_needed(demands, mode), len(device_ids)
   explicit = pool_devices or any(a.train_devices or a.instance_devices
@@ -44,11 +44,10 @@ def fit(demands: Mapping[str, AgentDemand], mode: str, device_ids: Sequence[int]
                  'gradient work queue on one device instead of overlapping.')
   if sum(map(size, shapes)) > n:
     pool_need = sum(map(size, dict.fromkeys(shapes)))
-    if no_pool or pool_need > n:
-      why = no_pool or (f'a training pool needs one mesh of each agent shape, {pool_need} '
-                        'devices')
+    if pool_need > n:
       raise _refusal(demands, mode, device_ids, f'Fitting the team to {n} devices failed '
-                     f'too: {why}.')
+                     f'too: a training pool needs one mesh of each agent shape, {pool_need} '
+                     'devices.')
     meshes = pool_shapes(shapes, n)
     changes['training.pool_devices'] = n
     largest = max(state_bytes().values(), default=0)

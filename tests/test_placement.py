@@ -102,8 +102,6 @@ def test_fit_keeps_explicit_and_strict_placements():
   with pytest.raises(ConfigError, match=r'failed too: a training pool needs one mesh of each '
                      r'agent shape, 3 devices'):
     fit(dict(FOUR, router=pl.AgentDemand((2, 1))), 'shared', [0, 1])
-  with pytest.raises(ConfigError, match=r'failed too: checkpoints'):
-    fit(FOUR, 'shared', [0, 1], no_pool='checkpoints')
 
 
 def test_fitted_placement_round_trip(tmp_path):

@@ -229,9 +229,13 @@ def _real_team_config(steps: int, cache: str):
   """The real-team experiment on the real 30-layer model, at a test's size: groups of 2,
   4 rows an agent, 3 new tokens, 2 held-out problems a dataset; layers scanned (the
   compiles take seconds, not minutes); compiled programs kept in `cache` (the resumed
-  run loads them instead of compiling again)."""
+  run loads them instead of compiling again). The agents take turns on one training
+  device, as on a machine with one accelerator: one copy of the base, not one per
+  agent's device, and agents of one shape share their compiled steps."""
   from experiments import real_team
+  from flexmarl.config import training_config
   config = real_team.get_config('runlocal')
+  config.training = training_config(pool_devices=1)
   config.steps, config.checkpoint_every, config.eval_every = steps, 1, 2
   config.compile_cache_dir = cache
   config.workflow.held_out = 2

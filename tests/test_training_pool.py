@@ -197,6 +197,56 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   assert 0 < moved < 0.05, moved  # one small step from the checkpoint
 
 
+def _lora_checkpoint_team(folder: str, steps: int, pool_devices: int):
+  """Two LoRA agents over one base read from the HF folder `folder`."""
+  import ml_collections
+
+  from flexmarl.config import agent_config
+  c = ml_collections.ConfigDict()
+  c.seed, c.steps, c.schedule, c.tokenizer = 0, steps, 'sync', folder
+  c.max_prompt_len, c.checkpoint_every = 10, 1
+  c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
+                    family='add', task_args={'max_operand': 4})
+  c.rollout = dict(query_concurrency=2, max_step_queries=8, devices='shared')
+  c.agents = {name: agent_config('tiny', group_size=4, global_batch=8, micro_batch=4,
+                                 sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2),
+                                 optimizer=dict(learning_rate=1e-2),
+                                 grpo=dict(entropy_coef=0.1, skip_without_signal=False))
+              for name in ('solver', 'verifier')}
+  for a in c.agents.values():
+    a.model.checkpoint = folder
+    a.model.lora = dict(rank=4, alpha=8.0)
+  c.training = training_config(pool_devices=pool_devices)
+  return c
+
+
+def test_lora_agents_of_a_checkpoint_take_turns_over_one_base(tmp_path):
+  """The common case of one accelerator: LoRA agents over a pretrained base share a
+  training pool of one device, which holds the base once (beside the rollout's use of
+  it); they train as they do on devices of their own."""
+  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
+  from experiments import make_tiny_hf
+  from flexmarl.run import build
+  folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
+  pooled, own = str(tmp_path / 'pooled'), str(tmp_path / 'own')
+  team = build(_lora_checkpoint_team(folder, 2, pool_devices=1), pooled, log=lambda *_: None)
+  assert [m.devices for m in team.spec.placement.pool] == [(0,)]
+  solver, verifier = (team.agents[n].trainer for n in ('solver', 'verifier'))
+  assert solver.base is verifier.base
+  team.run(lambda *_: None)
+  groups = solver.base.groups
+  assert len([g for g in groups if g != 'host']) == 1, groups  # device 0's copy, no other
+  train(_lora_checkpoint_team(folder, 2, pool_devices=0), own, log=lambda *_: None)
+  for agent in ('solver', 'verifier'):
+    moved = [np.abs(x - y).max() for x, y in zip(_params(pooled, agent, 2),
+                                                  _params(own, agent, 2), strict=True)]
+    assert max(moved) < 1e-6, (agent, max(moved))
+  state, _ = AgentCheckpointer(pooled, 'solver').read(2)
+  lora_b = [x for path, x in jax.tree_util.tree_flatten_with_path(state['params'])[0]
+            if 'lora_b' in jax.tree_util.keystr(path)]
+  assert lora_b and any(np.any(np.asarray(x)) for x in lora_b)  # trained: B starts at zero
+
+
 class _GatedTrainer:
   """A PoolTrainer whose copy out (release) blocks until `gate` is set, as a real release
   blocks until the agent's dispatched work is done; records what happened in `events`."""

@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.models import lora, transformer
-from flexmarl.models.layout import bucket, distinct_prompts, left_pad
+from flexmarl.models.layout import (PROMPT_WIDTH_MULTIPLE, bucket, distinct_prompts, left_pad,
+                                    padded_width)
 from flexmarl.rollout.spec import SamplingParams
 
 
@@ -199,8 +200,10 @@ class _DevicePending:
 class EmbeddedSampler:
   """The default backend: one jitted KV-cache sampling loop on the instance's devices.
 
-  Batches are padded to power-of-two sizes and prompts to `max_prompt_len`, so a
-  run compiles a handful of shapes once and then reuses them.
+  Batches are padded to power-of-two sizes and prompts to the longest of the batch,
+  rounded up to `PROMPT_WIDTH_MULTIPLE` tokens (at most `max_prompt_len`), so a run
+  compiles a handful of shapes once and then reuses them, and a batch of short chat
+  prompts does not pay prefill for `max_prompt_len`.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, state: dict, *, max_prompt_len: int,
@@ -254,7 +257,8 @@ class EmbeddedSampler:
     row_limits = np.full((size,), params.max_new_tokens, np.int32)
     if limits is not None:
       row_limits[:n] = np.minimum(limits, params.max_new_tokens)
-    ids, mask = left_pad(prompts + [[]] * (size - n), self.max_prompt_len, self.pad_id)
+    width = padded_width(list(map(len, prompts)), self.max_prompt_len, PROMPT_WIDTH_MULTIPLE)
+    ids, mask = left_pad(prompts + [[]] * (size - n), width, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
     shared, shared_mask, prompt_of_row = distinct_prompts(ids, mask, n, self.batch_multiple,
                                                           rows)

@@ -7,7 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from flexmarl.models.layout import bucket, distinct_prompts, left_pad
+from flexmarl.models.layout import (PROMPT_WIDTH_MULTIPLE, bucket, distinct_prompts, left_pad,
+                                    padded_width)
 
 
 @dataclasses.dataclass
@@ -44,13 +45,13 @@ class TrainBatch:
     logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
     Prompt and response widths shrink to the longest row, rounded up to a multiple of
-    4 (capped at `prompt_len` / `response_len`): short answers cost short steps, and
-    the few distinct widths compile once each.
+    `PROMPT_WIDTH_MULTIPLE` and of 4 (capped at `prompt_len` / `response_len`): short
+    answers cost short steps, and the few distinct widths compile once each.
     """
     n = len(prompts)
     size = bucket(n, batch_multiple)
-    prompt_len = min(prompt_len, _round_up(max(map(len, prompts)), 4))
-    response_len = min(response_len, _round_up(max(map(len, responses)), 4))
+    prompt_len = padded_width(list(map(len, prompts)), prompt_len, PROMPT_WIDTH_MULTIPLE)
+    response_len = padded_width(list(map(len, responses)), response_len, 4)
     ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
     resp = np.full((size, response_len), pad_id, np.int32)
     rmask = np.zeros((size, response_len), bool)
@@ -80,7 +81,3 @@ class TrainBatch:
   def rows(self) -> int:
     """Real rows (padding rows have no response token)."""
     return int(self.response_mask.any(axis=1).sum())
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return max(multiple, -(-n // multiple) * multiple)
