@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Mapping
 
 from flexmarl.agent_spec import AgentSpec
-from flexmarl.models.lora import LoRAConfig
 from flexmarl.placement import Placement
 from flexmarl.train import shared_base, sizing
 
@@ -25,7 +23,7 @@ def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement,
   base used there, the states of the agents training there (a training-pool mesh: the
   largest, agents take turns) and the weights of full agents served there."""
   state = {n: sizing.state_nbytes(a.model, a.optimizer, a.grpo) for n, a in agents.items()}
-  weights = {n: sizing.param_nbytes(dataclasses.replace(a.model, lora=LoRAConfig()))
+  weights = {n: sizing.param_nbytes(a.model.without_adapters)
              for n, a in agents.items()}
   keys = {n: shared_base.base_key(a.model, a.checkpoint, shared_base.base_seed(
       shared_base.agent_seed(team_seed, i), a.base_seed))

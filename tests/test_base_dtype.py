@@ -101,3 +101,29 @@ def test_bad_dtypes_are_refused(model, needle):
     config.agents.solver.model.lora.update(lora_section)
   with pytest.raises(ConfigError, match=needle):
     build_team_spec(config, 20, list(range(8)), ['solver', 'verifier'])
+
+
+def test_a_team_of_agents_over_one_bf16_base(tmp_path):
+  """Built as a run builds it: two LoRA agents over one random base held in bf16, served
+  by one rollout instance (an adapter group), share one copy of the base per device
+  group; a step trains their float32 adapters and leaves the base as it was."""
+  from flexmarl.run import build
+  config = two_agent_config(1)
+  for a in config.agents.values():
+    a.model.lora = dict(rank=4, alpha=8.0)
+    a.model.base_seed, a.model.base_dtype = 7, 'bfloat16'
+  config.rollout.adapter_groups = [['solver', 'verifier']]
+  config.rollout.devices = 'shared'
+  team = build(config, str(tmp_path / 'run'), log=lambda *_: None)
+  solver, verifier = (team.agents[n].trainer for n in ('solver', 'verifier'))
+  assert solver.base is verifier.base
+  base0 = jax.device_get(solver.base.host())
+  assert {x.dtype for x in jax.tree.leaves(base0)} == {jnp.dtype(jnp.bfloat16)}
+  adapters0 = jax.device_get(verifier.state.params)  # it trains every step
+  team.run(lambda *_: None)
+  for x, y in zip(jax.tree.leaves(jax.device_get(solver.base.host())), jax.tree.leaves(base0)):
+    np.testing.assert_array_equal(x, y)
+  adapters = jax.device_get(verifier.state.params)
+  assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+  assert max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(adapters),
+                                                         jax.tree.leaves(adapters0))) > 0

@@ -73,6 +73,13 @@ class ModelConfig:
     """The dtype of the base's weights (the adapters' and the compute's: `dtype`)."""
     return self.base_dtype or self.dtype
 
+  @property
+  def without_adapters(self) -> ModelConfig:
+    """The model a LoRA model's frozen base is: no adapters, its weights in
+    `weights_dtype` (what a shared base is keyed by, loaded as and sized as)."""
+    return dataclasses.replace(self, lora=LoRAConfig(), dtype=self.weights_dtype,
+                               base_dtype='')
+
 
 # Named sizes, from the test size up to the Qwen2.5-0.5B shape.
 PRESETS: dict[str, dict[str, Any]] = {

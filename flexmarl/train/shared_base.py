@@ -10,7 +10,6 @@ host, storage, checkpoints) is then its adapters and their optimizer state only.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Hashable
 
@@ -21,7 +20,6 @@ from jax.sharding import Mesh
 from flax import nnx
 
 from flexmarl.models import gguf, hf, transformer
-from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import ModelConfig
 
 # shardings (a tree like the base, or None: host memory) -> the base's params there
@@ -38,7 +36,7 @@ def base_key(model: ModelConfig, checkpoint: str, seed: int) -> Hashable:
   HF checkpoint folder, or without one the random initialisation's seed."""
   source = (checkpoint if gguf.is_gguf(checkpoint) and not os.path.exists(checkpoint)
             else os.path.realpath(checkpoint)) if checkpoint else f'seed:{seed}'
-  return dataclasses.replace(model, lora=LoRAConfig()), source
+  return model.without_adapters, source
 
 
 def base_seed(own_seed: int, configured: int) -> int:
@@ -50,7 +48,7 @@ def load_base(model: ModelConfig, checkpoint: str, seed: int) -> LoadBase:
   """How a base is made onto shardings (None: host memory): read from the HF
   checkpoint, or the random initialisation of the model without adapters from `seed`
   (which is a LoRA model's base of that seed: adapters draw their keys after it)."""
-  cfg = dataclasses.replace(model, lora=LoRAConfig())
+  cfg = model.without_adapters
 
   def load(shardings: dict | None) -> dict:
     if checkpoint:
