@@ -155,20 +155,14 @@ def test_bad_pool_configs_name_the_field_and_the_fix():
   assert [m[0].devices for m in p.rollout.values()] == [(0, 1), (2, 3), (0, 1), (2, 3)]
 
 
-def test_pool_agents_start_from_their_checkpoint(tmp_path):
-  """In a training pool, an agent with `model.checkpoint` starts from its weights (the
-  trainer's state in host memory, its KL reference and its rollout's copy) and trains
-  from there, next to an agent initialised at random."""
-  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
+def _tiny_hf_team(tokenizer: str, steps: int, pool_devices: int):
+  """A solver and a verifier of the tiny size with `tokenizer` (a tiny HF folder's),
+  on `pool_devices` pool devices (0: devices of their own); they start at random."""
   import ml_collections
 
-  from experiments import make_tiny_hf
   from flexmarl.config import agent_config
-  from flexmarl.models import hf, sharding, transformer
-  from flexmarl.run import build
-  folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
   c = ml_collections.ConfigDict()
-  c.seed, c.steps, c.schedule, c.tokenizer = 0, 1, 'sync', folder
+  c.seed, c.steps, c.schedule, c.tokenizer = 0, steps, 'sync', tokenizer
   c.max_prompt_len, c.checkpoint_every = 10, 1
   c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
                     family='add', task_args={'max_operand': 4})
@@ -180,8 +174,30 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
                                  grpo=dict(kl_coef=0.1, entropy_coef=0.1,
                                            skip_without_signal=False))
               for name in ('solver', 'verifier')}
+  c.training = training_config(pool_devices=pool_devices)
+  return c
+
+
+def _lora_checkpoint_team(folder: str, steps: int, pool_devices: int):
+  """Two LoRA agents over one base read from the HF folder `folder`."""
+  c = _tiny_hf_team(folder, steps, pool_devices)
+  for a in c.agents.values():
+    a.model.checkpoint = folder
+    a.model.lora = dict(rank=4, alpha=8.0)
+  return c
+
+
+def test_pool_agents_start_from_their_checkpoint(tmp_path):
+  """In a training pool, an agent with `model.checkpoint` starts from its weights (the
+  trainer's state in host memory, its KL reference and its rollout's copy) and trains
+  from there, next to an agent initialised at random."""
+  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
+  from experiments import make_tiny_hf
+  from flexmarl.models import hf, sharding, transformer
+  from flexmarl.run import build
+  folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
+  c = _tiny_hf_team(folder, steps=1, pool_devices=2)
   c.agents.solver.model.checkpoint = folder
-  c.training = training_config(pool_devices=2)
   team = build(c, str(tmp_path / 'run'), log=lambda *_: None)
   model = team.spec.agents['solver'].model
   expected = jax.device_get(hf.load_params(folder, model, sharding.param_shardings(
@@ -195,29 +211,6 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   trained = _params(str(tmp_path / 'run'), 'solver', step=1)
   moved = max(np.abs(x - y).max() for x, y in zip(trained, jax.tree.leaves(expected), strict=True))
   assert 0 < moved < 0.05, moved  # one small step from the checkpoint
-
-
-def _lora_checkpoint_team(folder: str, steps: int, pool_devices: int):
-  """Two LoRA agents over one base read from the HF folder `folder`."""
-  import ml_collections
-
-  from flexmarl.config import agent_config
-  c = ml_collections.ConfigDict()
-  c.seed, c.steps, c.schedule, c.tokenizer = 0, steps, 'sync', folder
-  c.max_prompt_len, c.checkpoint_every = 10, 1
-  c.workflow = dict(name='solver_verifier', solver='solver', verifier='verifier',
-                    family='add', task_args={'max_operand': 4})
-  c.rollout = dict(query_concurrency=2, max_step_queries=8, devices='shared')
-  c.agents = {name: agent_config('tiny', group_size=4, global_batch=8, micro_batch=4,
-                                 sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=2),
-                                 optimizer=dict(learning_rate=1e-2),
-                                 grpo=dict(entropy_coef=0.1, skip_without_signal=False))
-              for name in ('solver', 'verifier')}
-  for a in c.agents.values():
-    a.model.checkpoint = folder
-    a.model.lora = dict(rank=4, alpha=8.0)
-  c.training = training_config(pool_devices=pool_devices)
-  return c
 
 
 def test_lora_agents_of_a_checkpoint_take_turns_over_one_base(tmp_path):

@@ -36,8 +36,8 @@ def padded_width(lengths: list[int], cap: int, multiple: int) -> int:
   `multiple`, at most `cap` (a longer row is `left_pad`'s error). A step pays for the
   rows it has, not for `cap`; each width is one more program to compile, so `multiple`
   keeps them few."""
-  longest = max(lengths, default=1)
-  return min(cap, -(-max(longest, 1) // multiple) * multiple)
+  longest = max([1, *lengths])
+  return min(cap, -(-longest // multiple) * multiple)
 
 
 def bucket(n: int, multiple: int = 1) -> int:

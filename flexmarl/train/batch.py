@@ -44,9 +44,10 @@ class TrainBatch:
     `on_policy`, `entropy_weight` [rows]: see the fields (defaults: every row's behaviour
     logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
-    Prompt and response widths shrink to the longest row, rounded up to a multiple of
-    `PROMPT_WIDTH_MULTIPLE` and of 4 (capped at `prompt_len` / `response_len`): short
-    answers cost short steps, and the few distinct widths compile once each.
+    Prompt widths shrink to the longest prompt rounded up to `PROMPT_WIDTH_MULTIPLE`,
+    response widths to the longest response rounded up to 4 (capped at `prompt_len` /
+    `response_len`): short answers cost short steps, and the few distinct widths compile
+    once each.
     """
     n = len(prompts)
     size = bucket(n, batch_multiple)
