@@ -66,6 +66,8 @@ class Agent:
     self.resets = 0  # times reset to its starting weights (`grpo.resets_now`)
     # The right answers of its last calls, which `grpo.answer_weights` balances.
     self.answers: collections.deque = collections.deque(maxlen=grpo.ANSWER_WINDOW)
+    # The rewards of its last batch, whose mean `grpo.baseline_advantages` takes.
+    self.rewards: collections.deque = collections.deque(maxlen=spec.global_batch)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
 
@@ -101,7 +103,7 @@ class Agent:
     the runs of batches its GRPO options count."""
     return dict(version=self.version, stuck_run=self.stuck_run,
                 collapse_run=self.collapse_run, resets=self.resets,
-                answers=list(self.answers))
+                answers=list(self.answers), rewards=list(self.rewards))
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -113,6 +115,8 @@ class Agent:
     self.resets = meta.get('resets', 0)
     self.answers.clear()
     self.answers.extend(meta.get('answers', []))
+    self.rewards.clear()
+    self.rewards.extend(meta.get('rewards', []))
     self._unpublished = Weights(self.trainer.params, self.version)
     self.publish()
 
@@ -138,16 +142,20 @@ class Agent:
   def accumulate(self, micro: Sequence[Group]) -> None:
     """Add one micro-batch's gradient to the trainer's accumulator (dispatched, not
     awaited: it runs on the training devices while the caller goes on)."""
+    cfg = self.spec.grpo
+    advantages = grpo.baseline_advantages(cfg, [g.advantages for g in micro],
+                                          [g.rewards for g in micro], self.rewards)
+    weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
+                                  [g.expected for g in micro])
     batch = TrainBatch.from_rows(
         [g.served.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.served.tokens],
         [lp for g in micro for lp in g.served.logprobs],
-        np.concatenate([g.advantages * w for g, w in zip(micro, grpo.answer_weights(
-            self.spec.grpo, collections.Counter(self.answers), [g.expected for g in micro]))]),
+        np.concatenate([a * w for a, w in zip(advantages, weights)]),
         prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
         on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
-        entropy_weight=grpo.entropy_weights(self.spec.grpo, [g.correct for g in micro]))
+        entropy_weight=grpo.entropy_weights(cfg, [g.correct for g in micro]))
     version = self.version
 
     def work() -> None:
@@ -187,6 +195,8 @@ class Agent:
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
     if cfg.balance_answers:
       self.answers.extend(g.expected for g in batch if g.expected is not None)
+    if cfg.zero_spread_baseline:
+      self.rewards.extend(float(r) for g in batch for r in g.rewards)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
     if reset:
       self.collapse_run, self.resets = 0, self.resets + 1

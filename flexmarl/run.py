@@ -11,6 +11,8 @@ import os
 
 from absl import flags, logging
 
+from flexmarl import malloc
+
 
 def quiet_logging() -> None:
   """Keep the INFO lines of absl and Orbax out of a run's progress lines.
@@ -42,6 +44,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   and the team.
   """
   quiet_logging()
+  malloc.return_freed_memory()
   # Imported here, after absl parsed flags, so XLA_FLAGS set by the caller take effect.
   from flexmarl import compile_cache
   from flexmarl.build import build_orchestrator

@@ -125,6 +125,28 @@ def test_answer_weights_balance_few_skewed_right_answers_only():
   assert grpo.answer_weights(cfg, {'y': 998, 'n': 0}, ['n'])[0] == grpo.MAX_ANSWER_WEIGHT
 
 
+@pytest.mark.quick
+def test_agreeing_groups_are_compared_with_the_agents_mean_reward():
+  cfg = GRPOConfig(zero_spread_baseline=1.0)
+  rewards = [np.array([0., 0., 0.]), np.array([1., 1., 1.]), np.array([1., 0., 0.])]
+  advantages = [grpo.group_advantages(r, 3) for r in rewards]
+  out = grpo.baseline_advantages(cfg, advantages, rewards, [1.0, 1.0, 1.0, 0.0])  # mean 0.75
+  np.testing.assert_allclose(out[0], [-0.75] * 3)
+  np.testing.assert_allclose(out[1], [0.25] * 3)
+  np.testing.assert_array_equal(out[2], advantages[2])  # a group that differs: GRPO's own
+  # A constant "y" right on 3 prompts in 4, at its own rate: the pushes on it cancel.
+  constant = [np.full(4, r) for r in (1., 1., 1., 0.)]
+  pushed = grpo.baseline_advantages(cfg, [np.zeros(4)] * 4, constant, [0.75])
+  assert abs(sum(a.sum() for a in pushed)) < 1e-6
+  half = grpo.baseline_advantages(GRPOConfig(zero_spread_baseline=0.5), advantages, rewards,
+                                  [0.75])
+  np.testing.assert_allclose(half[0], [-0.375] * 3)
+  # Off, or no earlier rewards to compare with: GRPO's zeros.
+  for off in (grpo.baseline_advantages(GRPOConfig(), advantages, rewards, [0.75]),
+              grpo.baseline_advantages(cfg, advantages, rewards, [])):
+    assert [a.tolist() for a in off] == [a.tolist() for a in advantages]
+
+
 def test_reset_restores_the_starting_weights_and_a_fresh_optimizer():
   import jax
 

@@ -235,6 +235,40 @@ def test_an_agent_skips_the_step_of_a_batch_without_signal_and_still_advances_it
   assert _max_move(before, _host(trainer.params)) > 0.5 * LR
 
 
+def test_agreeing_groups_are_pushed_against_the_last_batchs_mean_which_a_checkpoint_keeps():
+  """`zero_spread_baseline`: once an earlier batch set the mean, an agreeing wrong group
+  changes the update (GRPO alone gives it nothing: a twin agent without the option
+  differs only from then on); the mean's rewards travel in the checkpoint's counters, so
+  a resumed agent computes the same."""
+  def agent_with(weight: float) -> Agent:
+    spec = AgentSpec.from_config('a', agent_config(
+        'tiny', group_size=4, global_batch=8, micro_batch=8,
+        grpo=dict(zero_spread_baseline=weight)), 20)
+    return Agent(spec, _trainer(0.0), InstancePool('a', [], make_sampler=None),
+                 checkpointer=None, prompt_len=5, pad_id=0)
+
+  def group(agent: Agent, q: int, rewards: list[float]) -> Group:
+    served = ServedGroup(f'q{q}', 0, 'a', agent.version - 1, [1, 5, 6],
+                         [f'q{q}_0_{j}' for j in range(4)], [np.array([4, 7, 2 + q])] * 4,
+                         [np.full(3, np.log(0.5), np.float32)] * 4)
+    r = np.array(rewards, np.float32)
+    return Group(served, r, grpo.group_advantages(r, 4), r)
+
+  agent, grpo_only = agent_with(1.0), agent_with(0.0)
+  for step, rewards in enumerate(([1.0] * 4, [0.0] * 4)):  # all right, then all wrong
+    for a in (agent, grpo_only):
+      batch = [group(a, 2 * step, rewards), group(a, 2 * step + 1, [1.0, 0.0, 1.0, 0.0])]
+      a.update(batch, [batch])()
+    moved = _max_move(_host(grpo_only.trainer.params), _host(agent.trainer.params))
+    if step == 0:  # no earlier batch: no mean to compare with, GRPO's update
+      assert moved == 0.0
+      assert list(agent.counters()['rewards']) == [1.0] * 4 + [1.0, 0.0, 1.0, 0.0]
+  assert moved > 0.5 * LR  # the agreeing wrong group pushed against the mean 0.75
+  resumed = agent_with(1.0)
+  resumed.restore(agent.train_state(), agent.counters())
+  assert list(resumed.rewards) == list(agent.rewards) == [0.0] * 4 + [1.0, 0.0, 1.0, 0.0]
+
+
 def test_a_run_from_before_these_fields_resumes_with_them():
   old = {'steps': 10, 'agents': {'a': {'grpo': {'entropy_coef': 0.1}}}}
   new = {'steps': 10, 'trace_steps': 1000,

@@ -215,3 +215,8 @@ def test_the_suite_fails_a_constant_verifier_and_passes_a_skilled_one(tmp_path):
   # its constant; its balanced accuracy 0.9 is 0.4 above a constant's 0.5: a pass.
   assert robustness.verdict(dict(end_above_constant=0.2, end_balanced_above=0.4)) == 'pass'
   assert robustness.verdict(dict(end_above_constant=0.0, end_balanced_above=0.0)) == 'weak'
+  # One answer right on every call (the solver always right): nothing is above it.
+  assert robustness.verdict(dict(end_best_constant=1.0, end_accuracy=1.0,
+                                 end_above_constant=0.0)) == 'no room'
+  assert robustness.verdict(dict(end_best_constant=1.0, end_accuracy=0.9,
+                                 end_above_constant=-0.1)) == 'below constant'

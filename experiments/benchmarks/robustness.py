@@ -23,7 +23,8 @@ Per agent: the best constant answer's exact-match rate (enumerated over the task
 distribution, and as the run measured it on its own calls: `best_constant` in its
 metrics), the accuracy at the end (mean over the last 5% of its updates), how far it is
 above the best constant and the balanced accuracy there, the verdict ('pass': at least
-ABOVE = 0.3 above its best constant; 'below constant'; 'weak' between), the first step where a 10-update mean passes 0.9,
+ABOVE = 0.3 above its best constant; 'below constant'; 'weak' between; 'no room' where one
+answer was always right), the first step where a 10-update mean passes 0.9,
 the policy entropy at the end (same window), the entropy bonus at the end (its mean
 per token after the error weights), stall warnings and intervention lines, and the
 resets after a collapse onto one answer (`grpo.resets_now`). `--quick`:
@@ -65,6 +66,7 @@ _ANALYZE = flags.DEFINE_string('analyze', '', 'Only report on this finished run 
 END_FRACTION = 0.05  # the end: the last 5% of an agent's updates
 PASS, PASS_WINDOW = 0.9, 10
 ABOVE = 0.3  # the pass mark: end accuracy at least this far above the best constant's
+NO_ROOM = 0.995  # a best constant this high (and an agent as good) leaves nothing above it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,10 @@ def verdict(r: dict) -> str:
   run (or, for a workflow that gives no expected answers, as enumerated offline), by
   accuracy or by balanced accuracy (a yes/no judge that sees mostly right answers: a
   constant scores 1 / the number of answers); 'below constant': under it; 'weak'
-  between."""
+  between; 'no room': one answer was right on every call of the end (a verifier whose
+  solver is always right), so nothing scores above that constant."""
+  if r.get('end_best_constant', 0.0) >= NO_ROOM and r.get('end_accuracy', 0.0) >= NO_ROOM:
+    return 'no room'
   above = np.nanmax([r.get('end_above_constant', math.nan),
                      r.get('end_balanced_above', math.nan), -math.inf])
   if not np.isfinite(above) and isinstance(r.get('best_constant'), float):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl import compile_cache
+from flexmarl import compile_cache, malloc
 from flexmarl.cluster_spec import parse_cores
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Weights
@@ -90,6 +90,7 @@ class RolloutWorker:
     from flexmarl.models import hf, sharding, transformer
     from flexmarl.rollout.sampler import EmbeddedSampler
     pin_to_cores(spec.cluster.rollout_cores, 'rollout_cores')
+    malloc.return_freed_memory()
     compile_cache.use(spec.compile_cache_dir)
     self.devices = devices
     a = spec.agents[agent]
@@ -142,6 +143,7 @@ class TrainerRank:
 
   def __init__(self, rank: int, counts: tuple[int, ...], devices: tuple[int, ...]):
     """`counts`: how many devices each rank of the group uses (its first local ones)."""
+    malloc.return_freed_memory()
     self.rank, self.counts, self.devices = rank, counts, devices
     self.size = len(counts)
     self.trainer = self.checkpointer = None

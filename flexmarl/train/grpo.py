@@ -32,6 +32,9 @@ Options from the field, all per agent:
 - Right answers balanced (`balance_answers`, `answer_weights`, off by default): where an
   agent's right answers are few and skewed, each group's advantages are weighted so that
   each right answer weighs the same.
+- Agreeing groups against the agent's mean reward (`zero_spread_baseline`,
+  `baseline_advantages`): a group whose samples all score the same is compared with the
+  agent's recent mean reward instead of getting no advantage.
 - An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """
@@ -215,6 +218,31 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
     if answer in counts:
       weights[i] = min(total / (len(counts) * (counts[answer] + 1)), MAX_ANSWER_WEIGHT)
   return weights
+
+
+def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
+                        rewards: Sequence[np.ndarray], recent: Sequence[float]
+                        ) -> list[np.ndarray]:
+  """Per group, its advantages; a group whose rewards all agree (`zero_spread`) gets
+  `zero_spread_baseline` × (its reward − the mean of `recent`, the agent's rewards in its
+  last batch) instead of 0, where that option is on and `recent` is not empty.
+
+  Why: GRPO compares a sample only with its own group. A prompt that every sample answers
+  the same wrong way teaches nothing, however many updates pass (measured: a sorter and
+  an adder of the default experiment each stuck on one wrong answer for a few prompts,
+  1,000 updates long); and a yes/no judge that sees "y" right three times in four is
+  pushed onto "y" by the groups where it is right and held by nothing where it is wrong,
+  once those groups agree. Against the agent's own mean reward (REINFORCE's baseline,
+  taken from earlier batches so that every schedule computes the same), an agreeing
+  wrong group is pushed off its answer and a constant that is right on most prompts
+  gains nothing on balance: the push is up where it is right (1 − mean) and down where it
+  is wrong (−mean), which cancel at the constant's own rate."""
+  if not cfg.zero_spread_baseline or not len(recent):
+    return [np.asarray(a, np.float32) for a in advantages]
+  mean = float(np.mean(recent))
+  return [np.full(len(r), cfg.zero_spread_baseline * (float(r[0]) - mean), np.float32)
+          if zero_spread(r) and len(r) else np.asarray(a, np.float32)
+          for a, r in zip(advantages, rewards)]
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

@@ -85,6 +85,12 @@ class GRPOConfig:
   # default: 10 taught an imbalanced checker but broke a verifier and slowed an adder
   # (experiments/benchmarks/RESULTS.md).
   balance_answers: int = 0
+  # A group whose rewards all agree gets (reward - the agent's mean reward in its last
+  # batch) × this as its rows' advantage, instead of GRPO's 0
+  # (grpo.baseline_advantages): a prompt answered wrong by every sample is pushed off that
+  # answer, and a constant answer that is right on most prompts is no longer pushed up by
+  # them. 0: off (GRPO).
+  zero_spread_baseline: float = 0.0
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -126,6 +132,8 @@ class GRPOConfig:
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
     whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
     whole_number(f'{field}.balance_answers', g.balance_answers, 0)
+    in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
+             'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     return g
 
