@@ -189,7 +189,8 @@ class Agent:
     stuck = grpo.stuck(cfg, advantages, [g.correct for g in batch])
     self.stuck_run = self.stuck_run + 1 if stuck else 0
     collapsed = grpo.collapsed(cfg, [t for g in batch for t in g.served.tokens],
-                               [g.expected for g in batch for _ in range(g.size)])
+                               [g.expected for g in batch for _ in range(g.size)],
+                               [c for g in batch for c in g.correct])
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
     takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
     stuck_run, collapse_run = self.stuck_run, self.collapse_run

@@ -27,13 +27,23 @@ def test_collapsed_is_one_answer_where_the_right_ones_differ():
   assert (cfg.collapse_share, cfg.collapse_after, cfg.collapse_resets) == (0.9, 3, 2)
   assert grpo.mode_share([Y, Y, N, Y]) == 0.75 and math.isnan(grpo.mode_share([]))
   mixed = ['y'] * 15 + ['n'] * 5  # right answers: 75% y
-  assert grpo.collapsed(cfg, [Y] * 20, mixed)
-  assert grpo.collapsed(cfg, [Y] * 18 + [N] * 2, mixed)  # 90% alike
-  assert not grpo.collapsed(cfg, [Y] * 17 + [N] * 3, mixed)  # 85%: still differing
-  assert not grpo.collapsed(cfg, [Y] * 20, ['y'] * 20)  # one right answer: solved
-  assert not grpo.collapsed(cfg, [Y] * 20, ['y'] * 19 + ['n'])  # 95% of them y
-  assert not grpo.collapsed(cfg, [Y] * 20, [None] * 20)  # no expected answers: unknown
-  assert not grpo.collapsed(GRPOConfig(collapse_after=0), [Y] * 20, mixed)  # off
+  judged = lambda answers: [float(a is Y) if e == 'y' else float(a is N)
+                            for a, e in zip(answers, mixed)]
+  all_y = [Y] * 20
+  assert grpo.collapsed(cfg, all_y, mixed, judged(all_y))
+  most = [N] * 2 + [Y] * 18  # 90% alike, "y" on every row where "n" is right
+  assert grpo.collapsed(cfg, most, mixed, judged(most))
+  differ = [Y] * 17 + [N] * 3  # 85%: still differing
+  assert not grpo.collapsed(cfg, differ, mixed, judged(differ))
+  # 90% "y", but "n" on 2 of the 5 rows where it is right: a fair judge, not a constant.
+  fair = [Y] * 18 + [N] * 2
+  assert not grpo.collapsed(cfg, fair, mixed, judged(fair))
+  wrong = [np.array([7, 1])] * 20  # one answer, right nowhere
+  assert grpo.collapsed(cfg, wrong, mixed, [0.0] * 20)
+  assert not grpo.collapsed(cfg, all_y, ['y'] * 20, [1.0] * 20)  # one right answer: solved
+  assert not grpo.collapsed(cfg, all_y, ['y'] * 19 + ['n'], [1.0] * 19 + [0.0])  # 95% y
+  assert not grpo.collapsed(cfg, all_y, [None] * 20, [math.nan] * 20)  # no expected answers
+  assert not grpo.collapsed(GRPOConfig(collapse_after=0), all_y, mixed, judged(all_y))
 
 
 def test_a_reset_comes_at_the_collapse_after_th_batch_at_most_collapse_resets_times():

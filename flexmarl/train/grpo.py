@@ -157,21 +157,32 @@ def mode_share(responses: Sequence[np.ndarray]) -> float:
 
 
 def collapsed(cfg: GRPOConfig, responses: Sequence[np.ndarray],
-              expected: Sequence[str | None]) -> bool:
+              expected: Sequence[str | None], correct: Sequence[float]) -> bool:
   """Whether a global batch shows a policy collapsed onto one answer: at least
-  `collapse_share` of its sampled responses are one and the same, while fewer than that
-  share of its rows have one and the same right answer (`expected`, per row; rows
-  without one are not counted, and a batch without any is never collapsed).
+  `collapse_share` of its sampled responses are one and the same, fewer than that share
+  of its rows have one and the same right answer (`expected`, per row; rows without one
+  are not counted, and a batch without any is never collapsed), and that response is
+  given on at least `collapse_share` of the rows where it is wrong (those whose right
+  answer is not one it was right on, per `correct`, 1.0 / 0.0 / NaN).
 
   This is what neither the advantages nor the error rate tell: a planner that gives
   one plan to every query and scores what that plan scores (0.5, say) still has groups
   whose rewards differ (other agents' noise), and a yes/no judge that always says
-  "y" is right more often than not; both are stuck on a constant all the same."""
+  "y" is right more often than not; both are stuck on a constant all the same. The last
+  condition tells a constant from a fair judge that says "y" to 92% of a batch whose
+  claims are 85% right (measured: such a judge, learning, was reset by the first two)."""
   known = [e for e in expected if e is not None]
   if not cfg.collapse_after or not known:
     return False
   right = collections.Counter(known).most_common(1)[0][1] / len(known)
-  return mode_share(responses) >= cfg.collapse_share > right
+  if not mode_share(responses) >= cfg.collapse_share > right:
+    return False
+  answers = [tuple(np.asarray(r).tolist()) for r in responses]
+  mode = collections.Counter(answers).most_common(1)[0][0]
+  right_on = {e for a, e, c in zip(answers, expected, correct) if a == mode and c == 1.0}
+  wrong_rows = [a == mode for a, e in zip(answers, expected)
+                if e is not None and e not in right_on]
+  return bool(wrong_rows) and float(np.mean(wrong_rows)) >= cfg.collapse_share
 
 
 def resets_now(cfg: GRPOConfig, collapse_run: int, resets: int) -> bool:
