@@ -6,7 +6,8 @@ which the batches, arrays and store reads a run allocates and frees every step c
 from the heap, and the heap fragments: measured on the default experiment, the bytes in
 use stayed at ≈570 MB while the heap's free space grew 66 → 116 MB (steps 750 → 3000),
 resident memory with it. With a fixed threshold the run's resident memory stays flat
-(experiments/benchmarks/RESULTS.md, "Memory of a long run"). Elsewhere (macOS, musl)
+(experiments/benchmarks/RESULTS.md, "Memory of a long run"), at ≈9% of the default
+experiment's step time (each such block is mapped by the kernel). Elsewhere (macOS, musl)
 this does nothing; a threshold set through the environment (`MALLOC_MMAP_THRESHOLD_`,
 `GLIBC_TUNABLES`) is left alone.
 """
