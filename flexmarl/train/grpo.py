@@ -247,7 +247,9 @@ def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
   taken from earlier batches so that every schedule computes the same), an agreeing
   wrong group is pushed off its answer and a constant that is right on most prompts
   gains nothing on balance: the push is up where it is right (1 − mean) and down where it
-  is wrong (−mean), which cancel at the constant's own rate."""
+  is wrong (−mean), which cancel at the constant's own rate. Measured, it did not lift
+  those plateaus (an answer held at p ≈ 1 has a log-probability gradient of ≈ 0 whatever
+  the advantage), so it is off by default (RESULTS.md)."""
   if not cfg.zero_spread_baseline or not len(recent):
     return [np.asarray(a, np.float32) for a in advantages]
   mean = float(np.mean(recent))
