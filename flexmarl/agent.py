@@ -21,6 +21,7 @@ from flexmarl.data.groups import Group
 from flexmarl.interfaces import Checkpointer, Stats, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
+from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout.pool import InstancePool
 from flexmarl.train import grpo
 from flexmarl.train.engine import TrainingEngine
@@ -49,6 +50,7 @@ class Agent:
 
   def __init__(self, spec: AgentSpec, trainer: Trainer, pool: InstancePool,
                checkpointer: Checkpointer, *, prompt_len: int, pad_id: int,
+               prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE,
                clock: Clock | None = None, recorder: spans.SpanRecorder | None = None,
                timeline: Timeline | None = None, training_engine: TrainingEngine | None = None):
     """`clock` times the steps (`train_s`); `recorder` gets weight-sync spans and
@@ -57,6 +59,7 @@ class Agent:
     work; None: the trainer stays on its own mesh."""
     self.spec, self.trainer, self.pool, self.checkpointer = spec, trainer, pool, checkpointer
     self.prompt_len, self.pad_id = prompt_len, pad_id
+    self.prompt_width_multiple = prompt_width_multiple
     self.training_engine = training_engine
     self.clock = clock or RealClock()
     self.recorder, self.timeline = recorder, timeline
@@ -152,7 +155,8 @@ class Agent:
         [t for g in micro for t in g.served.tokens],
         [lp for g in micro for lp in g.served.logprobs],
         np.concatenate([a * w for a, w in zip(advantages, weights)]),
-        prompt_len=self.prompt_len, response_len=self.spec.sampling.max_new_tokens,
+        prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
+        response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
         on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
         entropy_weight=grpo.entropy_weights(cfg, [g.correct for g in micro]))

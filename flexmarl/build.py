@@ -116,7 +116,9 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
                         sticky=spec.rollout.sticky_conversations,
                         retarget=factories.retarget(name, a))
     agents[name] = Agent(a, trainers[name], pool, factories.checkpointer(name),
-                         prompt_len=spec.max_prompt_len, pad_id=pad_ids[name], clock=clock,
+                         prompt_len=spec.max_prompt_len,
+                         prompt_width_multiple=spec.prompt_width_multiple,
+                         pad_id=pad_ids[name], clock=clock,
                          recorder=recorder, timeline=factories.timeline(name),
                          training_engine=engine)
   return agents
@@ -213,7 +215,9 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
       place = (None if tuple(devices) == tuple(train_devices)
                else functools.partial(trainer.place, mesh=mesh))
       return EmbeddedSampler(trainer.graphdef, weights.params,
-                             max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+                             max_prompt_len=spec.max_prompt_len,
+                             prompt_width_multiple=spec.prompt_width_multiple,
+                             eos_id=tokenizer.stop_ids,
                              pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
                              batch_multiple=trainer.batch_multiple, version=weights.version,
                              place=place, generate_fn=generate_fn)
@@ -234,7 +238,8 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
       return SharedAdapterSampler(
           first.graphdef, a.model.lora, weights,
           {n: functools.partial(trainers[n].place, mesh=mesh) for n in names},
-          max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+          max_prompt_len=spec.max_prompt_len,
+          prompt_width_multiple=spec.prompt_width_multiple, eos_id=tokenizer.stop_ids,
           pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
           batch_multiple=first.batch_multiple, generate_fn=generate_fn)
     return make

@@ -22,6 +22,7 @@ from flexmarl import placement_fit
 from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.cluster_spec import ClusterSpec, cluster_config
 from flexmarl.errors import ConfigError
+from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout import vllm_check
 from flexmarl.rollout.spec import RolloutSpec, engine_config, rollout_config
 from flexmarl.sample_id import parse_sample_id
@@ -68,6 +69,9 @@ class TeamSpec:
   # `team_spec` leaves it None and `place_team` sets it.
   placement_policy: str = 'fit'
   placement: placement_lib.Placement | None = None
+  # Prompts are padded to the batch's longest rounded up to this many tokens (sampler and
+  # trainer alike): larger, fewer programs to compile and more padding to compute.
+  prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE
 
   def evaluates_after(self, step: int) -> bool:
     """Whether held-out evaluation runs after `step` (0: before the first step)."""
@@ -264,6 +268,8 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
     fail('compile_cache_dir', cache_dir, "give a folder for compiled steps (default "
          f"{compile_cache.DEFAULT_DIR!r}), or '' to compile every run afresh.")
   eval_every = whole_number('eval_every', config.get('eval_every', 0), 0, '0: no evaluation')
+  width = whole_number('prompt_width_multiple',
+                       config.get('prompt_width_multiple', PROMPT_WIDTH_MULTIPLE), 1)
   cluster = ClusterSpec.from_config(config.get('cluster'))
   if cluster.backend == 'ray' and rollout.adapter_groups:
     fail('rollout.adapter_groups', [list(g) for g in rollout.adapter_groups],
@@ -274,7 +280,8 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
                   tokenizer=config.tokenizer, agents=agents, rollout=rollout,
                   checkpoint_every=config.checkpoint_every, training=training,
                   trace_steps=trace_steps, store_keep_steps=keep, cluster=cluster,
-                  compile_cache_dir=cache_dir, eval_every=eval_every, placement_policy=policy)
+                  compile_cache_dir=cache_dir, eval_every=eval_every, placement_policy=policy,
+                  prompt_width_multiple=width)
 
 
 def place_team(spec: TeamSpec, device_ids: Sequence[int]) -> TeamSpec:

@@ -26,6 +26,7 @@ CONFIG_FILE, RUN_FILE = 'config.json', 'run.json'
 # Fields a resumed run may change (patterns over dotted field names); any other
 # difference is refused.
 HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'store_keep_steps', 'compile_cache_dir',
+            'prompt_width_multiple',
             'agents.*.optimizer.decay_steps', 'agents.*.grpo.entropy_decay_steps',
             'agents.*.grpo.skip_without_signal', 'agents.*.grpo.unstick_below',
             'agents.*.grpo.unstick_after', 'agents.*.grpo.collapse_*',

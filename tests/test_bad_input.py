@@ -97,6 +97,8 @@ CONFIG_CASES = {
     'negative_trace_steps': (_set('trace_steps', -1), ['trace_steps', '0 keeps every step']),
     'compile_cache_dir_not_a_folder': (_set('compile_cache_dir', 3),
                                        ['compile_cache_dir=3', "or '' to compile"]),
+    'zero_prompt_width_multiple': (_set('prompt_width_multiple', 0),
+                                   ['prompt_width_multiple=0']),
     'negative_store_keep_steps': (_set('store_keep_steps', -1),
                                   ['store_keep_steps', '0 keeps every row']),
     'store_keep_steps_below_checkpoint_every': (

@@ -115,6 +115,42 @@ def test_tiny_top_p_is_greedy():
   np.testing.assert_array_equal(out.tokens[:, 0], np.asarray(logits[:, -1].argmax(-1)))
 
 
+def test_greedy_is_the_argmax_and_shares_the_sampling_program():
+  """Temperature 0 answers the most likely token at every step (a full forward of each
+  prefix, checked), and runs the program sampling compiled: held-out evaluation costs no
+  compile of its own."""
+  model, _, _, sampler = _setup()
+  sampler.generate(PROMPTS, _keys(3), SamplingParams(0.7, 1.0, 3))
+  out = sampler.generate(PROMPTS, _keys(3), SamplingParams(0.0, 1.0, 3))
+  assert sampler._generate._cache_size() == 1
+  for i, prompt in enumerate(PROMPTS):
+    seq = list(prompt)
+    for t in range(out.lengths[i]):
+      ids, mask = left_pad([seq], P + 3, PAD)
+      logits, _ = model(jnp.asarray(ids), jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0)),
+                        jnp.asarray(mask))
+      assert out.tokens[i, t] == int(logits[0, -1].argmax()), (i, t)
+      seq.append(int(out.tokens[i, t]))
+
+
+def test_prompt_width_multiple_sets_the_padded_width():
+  """Prompts pad to the batch's longest rounded up to the multiple (the sampler's and the
+  trainer's batches alike), never past max_prompt_len."""
+  prompts = [[1] * 53, [1] * 20]
+  rows = dict(responses=[np.array([3]), np.array([4])], logprobs=[np.zeros(1)] * 2,
+              advantages=np.zeros(2), response_len=4, pad_id=PAD)
+  width = lambda multiple, cap=128: TrainBatch.from_rows(
+      prompts, prompt_len=cap, prompt_width_multiple=multiple, **rows).prompts.shape[1]
+  assert (width(16), width(80), width(1), width(80, cap=60)) == (64, 80, 53, 60)
+  _, graphdef, params, _ = _setup()
+  for multiple, programs in ((16, 2), (40, 1)):  # widths 16 and 32, or both 40
+    sampler = EmbeddedSampler(graphdef, params, max_prompt_len=40, eos_id=EOS, pad_id=PAD,
+                              prompt_width_multiple=multiple)
+    sampler.generate([[1, 5]], _keys(1), SamplingParams(1.0, 1.0, 2))
+    sampler.generate([[1, 5] * 10], _keys(1), SamplingParams(1.0, 1.0, 2))
+    assert sampler._generate._cache_size() == programs, multiple
+
+
 def test_weights_update_in_place():
   _, graphdef, params, sampler = _setup()
   sp = SamplingParams(1.0, 1e-6, 3)

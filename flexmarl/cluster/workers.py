@@ -101,7 +101,8 @@ class RolloutWorker:
     graphdef, abstract = transformer.abstract_model(a.model)
     mesh = sharding.make_mesh(jax.local_devices()[:len(devices)], a.mesh_shape, a.mesh_axes)
     self.sampler = EmbeddedSampler(
-        graphdef, weights, max_prompt_len=spec.max_prompt_len, eos_id=tokenizer.stop_ids,
+        graphdef, weights, max_prompt_len=spec.max_prompt_len,
+        prompt_width_multiple=spec.prompt_width_multiple, eos_id=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
         batch_multiple=sharding.layout_of(mesh).batch_multiple, version=version,
         place=functools.partial(jax.device_put, device=sharding.param_shardings(abstract, mesh)))

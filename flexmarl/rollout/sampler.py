@@ -105,7 +105,7 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
                     adapter_rows: jax.Array | None = None,
                     prompt_adapters: jax.Array | None = None, *, max_new_tokens: int,
                     stop_ids: tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...],
-                    use_top_p: bool, greedy: bool):
+                    use_top_p: bool):
   """Pure sampling loop: prefill the prompts, then decode until every row has drawn a
   stop id or its limit of new tokens (`limits` [B], each <= `max_new_tokens`).
 
@@ -128,6 +128,7 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
     model = nnx.merge(graphdef, lora.gather_rows(state, adapter_rows))
     prefill = nnx.merge(graphdef, lora.gather_rows(state, prompt_adapters))
   cfg = model.cfg
+  greedy = temperature <= 0  # traced: greedy evaluation and sampling share one program
   batch, prompt_len = prompt_of_row.shape[0], prompts.shape[1]
   cache = transformer.init_cache(cfg, prompts.shape[0], prompt_len + max_new_tokens)
   kv_mask = jnp.pad(prompt_mask, ((0, 0), (0, max_new_tokens)))
@@ -144,13 +145,11 @@ def generate_tokens(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array
 
   def step(carry):
     t, logits, cache, kv_mask, pos, done, lengths, tokens, logprobs = carry
-    scaled = transformer.ban_tokens(logits, banned_ids)
-    if greedy:  # temperature 0: the most likely token, as HF and vLLM do
-      token = jnp.argmax(scaled, axis=-1)
-    else:
-      scaled = scaled / temperature
-      filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
-      token = draw(filtered, jax.lax.dynamic_index_in_dim(uniforms, t, 1, keepdims=False))
+    scaled = transformer.ban_tokens(logits, banned_ids) / jnp.where(greedy, 1.0, temperature)
+    filtered = _filter_top_p(scaled, top_p) if use_top_p else scaled
+    token = jnp.where(  # temperature 0: the most likely token, as HF and vLLM do
+        greedy, jnp.argmax(scaled, axis=-1),
+        draw(filtered, jax.lax.dynamic_index_in_dim(uniforms, t, 1, keepdims=False)))
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], 1)[:, 0]
     token = jnp.where(done, pad_id, token)
     tokens = tokens.at[:, t].set(token)
@@ -179,7 +178,7 @@ def compile_generate(graphdef: nnx.GraphDef) -> Callable:
   so its compilations)."""
   return jax.jit(functools.partial(generate_tokens, graphdef),
                  static_argnames=('max_new_tokens', 'stop_ids', 'pad_id', 'banned_ids',
-                                  'use_top_p', 'greedy'))
+                                  'use_top_p'))
 
 
 @dataclasses.dataclass(eq=False)
@@ -201,7 +200,7 @@ class EmbeddedSampler:
   """The default backend: one jitted KV-cache sampling loop on the instance's devices.
 
   Batches are padded to power-of-two sizes and prompts to the longest of the batch,
-  rounded up to `PROMPT_WIDTH_MULTIPLE` tokens (at most `max_prompt_len`), so a run
+  rounded up to `prompt_width_multiple` tokens (at most `max_prompt_len`), so a run
   compiles a handful of shapes once and then reuses them, and a batch of short chat
   prompts does not pay prefill for `max_prompt_len`.
   """
@@ -210,7 +209,8 @@ class EmbeddedSampler:
                eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = (),
                batch_multiple: int = 1, version: int = 0,
                place: Callable[[dict], dict] | None = None,
-               generate_fn: Callable | None = None, min_batch: int = 16, adapters: int = 0):
+               generate_fn: Callable | None = None, min_batch: int = 16, adapters: int = 0,
+               prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE):
     """`eos_id`: the id (or ids) that end an answer; `banned_ids`: ids never sampled
     (the tokenizer's other special tokens). `place`: puts published weights on the
     instance's own devices (e.g. a copy of the adapters beside the device group's
@@ -225,7 +225,7 @@ class EmbeddedSampler:
     self.adapters = adapters
     self.state = self._place(state)
     self.version = version
-    self.max_prompt_len = max_prompt_len
+    self.max_prompt_len, self.prompt_width_multiple = max_prompt_len, prompt_width_multiple
     self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
     self.pad_id, self.banned_ids = pad_id, tuple(banned_ids)
     self.batch_multiple, self.min_batch = batch_multiple, min_batch
@@ -257,7 +257,8 @@ class EmbeddedSampler:
     row_limits = np.full((size,), params.max_new_tokens, np.int32)
     if limits is not None:
       row_limits[:n] = np.minimum(limits, params.max_new_tokens)
-    width = padded_width(list(map(len, prompts)), self.max_prompt_len, PROMPT_WIDTH_MULTIPLE)
+    width = padded_width(list(map(len, prompts)), self.max_prompt_len,
+                         self.prompt_width_multiple)
     ids, mask = left_pad(prompts + [[]] * (size - n), width, self.pad_id)
     mask[n:, -1] = True  # padding rows attend to one slot, keeping softmax finite
     shared, shared_mask, prompt_of_row = distinct_prompts(ids, mask, n, self.batch_multiple,
@@ -274,7 +275,7 @@ class EmbeddedSampler:
         prompt_adapters,
         max_new_tokens=params.max_new_tokens,
         stop_ids=self.stop_ids, pad_id=self.pad_id, banned_ids=self.banned_ids,
-        use_top_p=params.top_p < 1.0, greedy=params.temperature <= 0)
+        use_top_p=params.top_p < 1.0)
     return _DevicePending((tokens, logprobs, lengths), n)
 
   def _adapter_rows(self, n: int, given: np.ndarray | None) -> np.ndarray | None:

@@ -38,20 +38,21 @@ class TrainBatch:
   def from_rows(cls, prompts: list[list[int]], responses: list[np.ndarray],
                 logprobs: list[np.ndarray], advantages: np.ndarray, *, prompt_len: int,
                 response_len: int, pad_id: int, batch_multiple: int = 1,
+                prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE,
                 on_policy: np.ndarray | None = None,
                 entropy_weight: np.ndarray | None = None) -> 'TrainBatch':
     """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
     `on_policy`, `entropy_weight` [rows]: see the fields (defaults: every row's behaviour
     logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
-    Prompt widths shrink to the longest prompt rounded up to `PROMPT_WIDTH_MULTIPLE`,
+    Prompt widths shrink to the longest prompt rounded up to `prompt_width_multiple`,
     response widths to the longest response rounded up to 4 (capped at `prompt_len` /
     `response_len`): short answers cost short steps, and the few distinct widths compile
     once each.
     """
     n = len(prompts)
     size = bucket(n, batch_multiple)
-    prompt_len = padded_width(list(map(len, prompts)), prompt_len, PROMPT_WIDTH_MULTIPLE)
+    prompt_len = padded_width(list(map(len, prompts)), prompt_len, prompt_width_multiple)
     response_len = padded_width(list(map(len, responses)), response_len, 4)
     ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
     resp = np.full((size, response_len), pad_id, np.int32)
