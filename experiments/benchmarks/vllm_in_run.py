@@ -21,6 +21,9 @@ Round by round in one process, side by side:
 
 Shapes (random weights, fp32): `small` (2 layers, width 128, heads of 32: vLLM's CPU
 attention needs head sizes >= 32; about two minutes on 2 cores) and `qwen2.5-0.5b`.
+`smollm2`: the real team instead (`experiments/real_team.py:full,vllm`: SmolLM2-135M-
+Instruct, a router and two specialists in its chat format, one engine an agent, 8 rows
+an agent a step, 10 new tokens), every agent's batches recorded and replayed.
 `--cpu_threads`: the engine's torch threads (`rollout.vllm.cpu_threads`; by default all
 cores). The last line is JSON: per-round figures, their medians, the ratios in
 run / standalone (rollout, engine busy time, whole step), the engine's torch threads
@@ -40,6 +43,7 @@ from absl import app, flags
 SHAPES = {  # preset, model overrides, queries per step, samples per query, new tokens
     'small': ('small', dict(vocab_size=64), 16, 8, 32),
     'qwen2.5-0.5b': ('qwen2.5-0.5b', {}, 2, 8, 32),
+    'smollm2': None,  # experiments/real_team.py
 }
 _SHAPE = flags.DEFINE_enum('shape', 'small', list(SHAPES), 'Model shape.')
 _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Standalone / in-run rounds, alternated.')
@@ -51,6 +55,8 @@ _THREADS = flags.DEFINE_integer('cpu_threads', 0, 'rollout.vllm.cpu_threads (0: 
 
 def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:
   from flexmarl.config import agent_config
+  if shape == 'smollm2':
+    return real_team_config(cpu_threads)
   preset, model, queries, group, new = SHAPES[shape]
   rows = queries * group
   c = ml_collections.ConfigDict()
@@ -69,6 +75,18 @@ def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:
                      decay_steps=0, final_lr_fraction=0.1)))
   for k, v in model.items():
     c.agents.solver.model[k] = v
+  return c
+
+
+def real_team_config(cpu_threads: int) -> ml_collections.ConfigDict:
+  """The real team, full agents on vLLM (one engine each), `sync`, no evaluation."""
+  from experiments import real_team
+  c = real_team.get_config('full,vllm')
+  c.schedule, c.steps, c.checkpoint_every, c.eval_every = 'sync', 10**6, 10**6, 0
+  c.rollout.query_concurrency, c.rollout.max_step_queries = 8, 64
+  c.rollout.vllm.cpu_threads = cpu_threads
+  for a in c.agents.values():
+    a.global_batch = a.micro_batch = 8
   return c
 
 
@@ -139,29 +157,41 @@ def main(argv):
   with tempfile.TemporaryDirectory() as workdir:
     t0 = time.perf_counter()
     orch = build(get_config(_SHAPE.value, _THREADS.value), workdir, log=lambda *_: None)
-    rec = Recorder(orch.agents['solver'].pool.instances[0].sampler)
+    recs = {name: Recorder(agent.pool.instances[0].sampler)
+            for name, agent in orch.agents.items()}
     for _ in range(_WARMUP.value):
       orch.run_step()
     warmup_s = time.perf_counter() - t0
     rounds = []
     for r in range(_ROUNDS.value):
       # The next step's rollout, begun at the end of the step before, is dropped: each
-      # timed step runs its whole rollout, and the replays below have the engine alone.
+      # timed step runs its whole rollout, and the replays below have the engines alone.
       orch.serve_from(orch.next_query)
-      served = (rec.sampler._params, rec.sampler.version)  # what this step's rollout serves
-      rec.reset()
+      served = {n: (rec.sampler._params, rec.sampler.version) for n, rec in recs.items()}
+      for rec in recs.values():
+        rec.reset()
       team = orch.run_step()['team']
-      tokens, engine_s = rec.served_tokens(served[1]), rec.engine_s[served[1]]
-      batches = rec.batches_of(served[1])
-      trained = (rec.sampler._params, rec.sampler.version)
-      rec.serve(served)  # the step's weights back: the replay draws the same samples
-      first = rec.replay(batches)
-      alone = [rec.replay(batches) for _ in range(_REPEATS.value)]
+      tokens = sum(rec.served_tokens(served[n][1]) for n, rec in recs.items())
+      engine_s = sum(rec.engine_s[served[n][1]] for n, rec in recs.items())
+      batches = {n: rec.batches_of(served[n][1]) for n, rec in recs.items()}
+      trained = {n: (rec.sampler._params, rec.sampler.version) for n, rec in recs.items()}
+
+      def replay() -> tuple[int, float]:
+        """Every engine's batches of the step, engine after engine."""
+        counts = [recs[n].replay(b) for n, b in batches.items()]
+        return sum(t for t, _ in counts), sum(s for _, s in counts)
+
+      for n, rec in recs.items():
+        rec.serve(served[n])  # the step's weights back: the replay draws the same samples
+      first = replay()
+      alone = [replay() for _ in range(_REPEATS.value)]
       assert first[0] == tokens == alone[0][0], (first[0], tokens, alone[0][0])
       alone_tok_s = statistics.median(t / s for t, s in alone)
-      rec.serve(trained)  # the next step's rollout follows a sync, as every step's does
-      row = dict(batches=len(batches), standalone_tok_s=alone_tok_s,
-                 after_sync_tok_s=first[0] / first[1], sync_s=rec.sampler.last_sync_s,
+      for n, rec in recs.items():
+        rec.serve(trained[n])  # the next step's rollout follows a sync, as every step's does
+      row = dict(batches=sum(map(len, batches.values())), standalone_tok_s=alone_tok_s,
+                 after_sync_tok_s=first[0] / first[1],
+                 sync_s=sum(rec.sampler.last_sync_s for rec in recs.values()),
                  tokens=tokens, line_tokens=int(team['tokens']), rollout_s=team['rollout_s'],
                  step_s=team['step_time_s'], engine_s=engine_s,
                  rollout_tok_s=tokens / team['rollout_s'], engine_tok_s=tokens / engine_s,
@@ -169,11 +199,11 @@ def main(argv):
       row['ratio'] = row['rollout_tok_s'] / alone_tok_s
       rounds.append(row)
       print(f"round {r + 1}: in run: rollout {row['rollout_tok_s']:.0f} tok/s ({tokens} tokens "
-            f"in {row['rollout_s']:.2f}s, engine busy {engine_s:.2f}s), step "
+            f"in {row['rollout_s']:.2f}s, engines busy {engine_s:.2f}s), step "
             f"{row['step_tok_s']:.0f} tok/s ({row['step_s']:.2f}s); standalone "
             f"{alone_tok_s:.0f} tok/s (right after a sync {row['after_sync_tok_s']:.0f}); "
             f"ratio {row['ratio']:.2f}", flush=True)
-    threads = rec.threads()
+    threads = next(iter(recs.values())).threads()
     orch.close()
   median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
   result = dict(shape=_SHAPE.value, warmup_s=warmup_s, rounds=rounds, median=median,
