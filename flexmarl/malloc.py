@@ -6,8 +6,9 @@ which the batches, arrays and store reads a run allocates and frees every step c
 from the heap, and the heap fragments: measured on the default experiment, the bytes in
 use stayed at ≈570 MB while the heap's free space grew 66 → 116 MB (steps 750 → 3000),
 resident memory with it. With a fixed threshold the run's resident memory stays flat
-(experiments/benchmarks/RESULTS.md, "Memory of a long run"), at ≈9% of the default
-experiment's step time (each such block is mapped by the kernel). Elsewhere (macOS, musl)
+(experiments/benchmarks/RESULTS.md, "Memory of a long run"): +4.0% over 5000 steps at
+64 KiB, 256 KiB and 1 MiB alike. 1 MiB maps the fewest blocks through the kernel; its
+cost in step time was within this machine's noise. Elsewhere (macOS, musl)
 this does nothing; a threshold set through the environment (`MALLOC_MMAP_THRESHOLD_`,
 `GLIBC_TUNABLES`) is left alone.
 """
@@ -18,7 +19,7 @@ import ctypes
 import os
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD = 64 * 1024
+MMAP_THRESHOLD = 1 << 20
 
 
 def return_freed_memory() -> bool:

@@ -22,12 +22,12 @@ if {fix}:
   assert malloc.return_freed_memory()
 libc.free(libc.malloc(8 << 20))  # glibc's default now raises its threshold to 8 MiB
 before = libc.mallinfo2().hblkhd
-block = libc.malloc(1 << 20)
+block = libc.malloc(2 << 20)
 print(libc.mallinfo2().hblkhd - before)
 """
 
 
-def _mapped_bytes_of_a_1mib_block(fix: bool) -> int:
+def _mapped_bytes_of_a_2mib_block(fix: bool) -> int:
   import flexmarl
   root = __import__('os').path.dirname(__import__('os').path.dirname(flexmarl.__file__))
   out = subprocess.run([sys.executable, '-c', PROBE.format(root=root, fix=fix)], check=True,
@@ -41,8 +41,8 @@ def test_a_freed_batch_sized_block_is_mapped_on_its_own():
     ctypes.CDLL(None).mallinfo2
   except AttributeError:
     pytest.skip('not glibc >= 2.33')
-  assert _mapped_bytes_of_a_1mib_block(fix=False) == 0  # glibc's default: from the heap
-  assert _mapped_bytes_of_a_1mib_block(fix=True) >= 1 << 20
+  assert _mapped_bytes_of_a_2mib_block(fix=False) == 0  # glibc's default: from the heap
+  assert _mapped_bytes_of_a_2mib_block(fix=True) >= 2 << 20
 
 
 def test_a_threshold_from_the_environment_is_left_alone(monkeypatch):
