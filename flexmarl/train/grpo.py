@@ -249,7 +249,9 @@ def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
   gains nothing on balance: the push is up where it is right (1 − mean) and down where it
   is wrong (−mean), which cancel at the constant's own rate. Measured, it did not lift
   those plateaus (an answer held at p ≈ 1 has a log-probability gradient of ≈ 0 whatever
-  the advantage), so it is off by default (RESULTS.md)."""
+  the advantage), and a policy from random weights, whose groups are mostly all wrong,
+  was held near uniform by it (each such group pushed down on what it sampled), so it
+  is off by default (RESULTS.md)."""
   if not cfg.zero_spread_baseline or not len(recent):
     return [np.asarray(a, np.float32) for a in advantages]
   mean = float(np.mean(recent))
