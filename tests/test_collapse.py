@@ -123,16 +123,18 @@ def test_answer_weights_balance_few_skewed_right_answers_only():
   assert GRPOConfig().balance_answers == 0  # off by default (RESULTS.md)
   cfg = GRPOConfig(balance_answers=10)
   counts = {'y': 749, 'n': 249}  # with one each: 750 / 250 of 1000
-  np.testing.assert_allclose(grpo.answer_weights(cfg, counts, ['y', 'n', None, 'x']),
-                             [1000 / (2 * 750), 1000 / (2 * 250), 1, 1], rtol=1e-6)
+  raw = np.array([1000 / (2 * 750), 1000 / (2 * 250), 1, 1])
+  weights = grpo.answer_weights(cfg, counts, ['y', 'n', None, 'x'])
+  np.testing.assert_allclose(weights, raw / raw.mean(), rtol=1e-6)  # their mean is 1
   # Balanced, one answer, too many answers, or off: every weight 1.
   assert set(grpo.answer_weights(cfg, {'y': 499, 'n': 499}, ['y', 'n'])) == {1.0}
   assert set(grpo.answer_weights(cfg, {'y': 10}, ['y'])) == {1.0}
   many = {str(i): i + 1 for i in range(11)}
   assert set(grpo.answer_weights(cfg, many, ['0', '10'])) == {1.0}
   assert set(grpo.answer_weights(GRPOConfig(balance_answers=0), counts, ['n'])) == {1.0}
-  # A rare answer's weight is capped.
-  assert grpo.answer_weights(cfg, {'y': 998, 'n': 0}, ['n'])[0] == grpo.MAX_ANSWER_WEIGHT
+  # A rare answer's weight is capped, before the weights are scaled to mean 1.
+  y, n = grpo.answer_weights(cfg, {'y': 998, 'n': 0}, ['y', 'n'])
+  np.testing.assert_allclose(n / y, grpo.MAX_ANSWER_WEIGHT / (1000 / (2 * 999)), rtol=1e-6)
 
 
 @pytest.mark.quick

@@ -210,17 +210,19 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
   """Per group, the weight of its advantages: total / (K · count of its right answer),
   from `counts` of the right answers of the agent's recent calls (K of them, plus one
   each), capped at MAX_ANSWER_WEIGHT; 1 for a group without a right answer or an answer
-  not counted, and for every group unless 2 <= K <= `balance_answers`.
+  not counted, and for every group unless 2 <= K <= `balance_answers`; then scaled so
+  that the groups' mean weight is 1, so that balancing moves the policy gradient
+  between answers and not against the entropy bonus (unscaled, a batch of the common
+  answer, weight ≈ 0.5, learned the answer format at half strength against a full
+  bonus, and a verifier from random weights stayed in noise on 2 seeds of 3).
 
   Why: until a policy tells its prompts apart, GRPO's push on an answer is the sum over
   the groups whose right answer it is; a yes/no judge that sees "y" right three times in
   four is pushed onto "y" before it learns when to say "n", and stays there (measured:
   every seed of `experiments/claim_checker.py`, while the same task balanced learns).
   Weighted, each right answer pushes as hard as the others, as class-balanced losses do
-  for skewed classes. Off by default: on the robustness suite it taught the checker
-  (balanced accuracy 0.30 above the constant on 2 seeds of 3) but a verifier whose
-  solver is mostly right, its rare "n" weighted up to MAX_ANSWER_WEIGHT, fell into noise
-  (2 seeds of 3), and the default experiment's adder learned slower."""
+  for skewed classes. Off by default: scaled, on 3 seeds (RESULTS.md), it brings the
+  yes/no judges 0.02–0.30 above their constants, not the 0.3 a default must reach."""
   weights = np.ones(len(expected), np.float32)
   if not cfg.balance_answers or not 2 <= len(counts) <= cfg.balance_answers:
     return weights
@@ -228,7 +230,7 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
   for i, answer in enumerate(expected):
     if answer in counts:
       weights[i] = min(total / (len(counts) * (counts[answer] + 1)), MAX_ANSWER_WEIGHT)
-  return weights
+  return weights / weights.mean()
 
 
 def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
