@@ -12,9 +12,9 @@ import numpy as np
 
 # Prompts are padded to a multiple of this many tokens (`config.prompt_width_multiple`'s
 # default), by the sampler and the trainer alike: the few widths a workflow's prompts
-# take compile once each, and a batch of
-# short prompts does not pay for `max_prompt_len` (SmolLM2's chat prompts of 53-72
-# tokens run at 64 and 80, not 128: prefill is most of a short answer's cost).
+# take compile once each, and a batch of short prompts does not pay for
+# `max_prompt_len` (SmolLM2's chat prompts of 53-72 tokens run at 64 and 80, not 128:
+# prefill is most of a short answer's cost).
 PROMPT_WIDTH_MULTIPLE = 16
 
 
