@@ -43,9 +43,9 @@ from absl import app, flags
 SHAPES = {  # preset, model overrides, queries per step, samples per query, new tokens
     'small': ('small', dict(vocab_size=64), 16, 8, 32),
     'qwen2.5-0.5b': ('qwen2.5-0.5b', {}, 2, 8, 32),
-    'smollm2': None,  # experiments/real_team.py
 }
-_SHAPE = flags.DEFINE_enum('shape', 'small', list(SHAPES), 'Model shape.')
+REAL_TEAM = 'smollm2'  # experiments/real_team.py, not a preset of one agent
+_SHAPE = flags.DEFINE_enum('shape', 'small', [*SHAPES, REAL_TEAM], 'Model shape.')
 _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Standalone / in-run rounds, alternated.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps first (compiles, engine warm-up).')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Standalone replays of the step\'s batches.')
@@ -55,7 +55,7 @@ _THREADS = flags.DEFINE_integer('cpu_threads', 0, 'rollout.vllm.cpu_threads (0: 
 
 def get_config(shape: str, cpu_threads: int = 0) -> ml_collections.ConfigDict:
   from flexmarl.config import agent_config
-  if shape == 'smollm2':
+  if shape == REAL_TEAM:
     return real_team_config(cpu_threads)
   preset, model, queries, group, new = SHAPES[shape]
   rows = queries * group
