@@ -81,16 +81,21 @@ class GRPOConfig:
   collapse_resets: int = 2
   # Groups weighted so that every right answer weighs the same (grpo.answer_weights),
   # over the agent's last ANSWER_WINDOW calls, where those have 2 to `balance_answers`
-  # distinct right answers (a yes/no judge that sees mostly right answers). 0: off, the
-  # default: 10 taught an imbalanced checker but broke a verifier and slowed an adder
-  # (experiments/benchmarks/RESULTS.md).
-  balance_answers: int = 0
+  # distinct right answers (a yes/no judge that sees mostly right answers); the weights
+  # have a mean of 1 over a micro-batch's groups. 0: off.
+  balance_answers: int = 10
   # A group whose rewards all agree gets (reward - the agent's mean reward in its last
   # batch) × this as its rows' advantage, instead of GRPO's 0
   # (grpo.baseline_advantages): a prompt answered wrong by every sample is pushed off that
   # answer, and a constant answer that is right on most prompts is no longer pushed up by
   # them. 0: off (GRPO).
   zero_spread_baseline: float = 0.0
+  # Each row of a group whose samples are all wrong gets − this × P / (1 − P) added to
+  # its advantage, P the sampler's probability of its answer (grpo.unlikely_advantages,
+  # unlikelihood training's gradient): a wrong answer the policy grows sure of, where
+  # GRPO has nothing to rank, is pushed off. 0.1 and `balance_answers=10` taught the
+  # suite's yes/no judges (experiments/benchmarks/RESULTS.md). 0: off.
+  unlikelihood: float = 0.1
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -132,6 +137,8 @@ class GRPOConfig:
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
     whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
     whole_number(f'{field}.balance_answers', g.balance_answers, 0)
+    in_range(f'{field}.unlikelihood', g.unlikelihood, 0.0, math.inf,
+             'must be >= 0 (0: off; 0.1 is the default; 1 pushed a judge into noise).')
     in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
