@@ -150,14 +150,11 @@ class Agent:
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
-    advantages = grpo.unlikely_advantages(cfg, [a * w for a, w in zip(advantages, weights)],
-                                          [g.correct for g in micro],
-                                          [g.served.logprobs for g in micro])
     batch = TrainBatch.from_rows(
         [g.served.prompt_ids for g in micro for _ in range(g.size)],
         [t for g in micro for t in g.served.tokens],
         [lp for g in micro for lp in g.served.logprobs],
-        np.concatenate(advantages),
+        np.concatenate([a * w for a, w in zip(advantages, weights)]),
         prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
         response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
@@ -182,8 +179,7 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens. A batch without advantage
-    signal (GRPO's, or a wrong group's push: `grpo.unlikely_advantages`, the share of
-    rows pushed in `pushed_off`) takes no optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto
+    signal takes no optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto
     one answer for `collapse_after` batches is reset to its starting weights after the
     step (`grpo.resets_now`), and those are what it publishes."""
     t0 = self.clock.now()
@@ -192,11 +188,8 @@ class Agent:
       self.accumulate(micro)
     version = self.version
     dispatched = []
+    advantages = [g.advantages for g in batch]
     cfg = self.spec.grpo
-    advantages = grpo.unlikely_advantages(cfg, [g.advantages for g in batch],
-                                          [g.correct for g in batch],
-                                          [g.served.logprobs for g in batch])
-    pushed = sum(g.size for g in batch if cfg.unlikelihood and grpo.all_wrong(g.correct))
     stuck = grpo.stuck(cfg, advantages, [g.correct for g in batch])
     self.stuck_run = self.stuck_run + 1 if stuck else 0
     collapsed = grpo.collapsed(cfg, [t for g in batch for t in g.served.tokens],
@@ -231,7 +224,7 @@ class Agent:
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
                    stuck_run=stuck_run, collapse_run=collapse_run,
-                   collapse_reset=int(reset), resets=resets, pushed_off=pushed / len(lags))
+                   collapse_reset=int(reset), resets=resets)
       if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True

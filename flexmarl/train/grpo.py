@@ -35,10 +35,6 @@ Options from the field, all per agent:
 - Agreeing groups against the agent's mean reward (`zero_spread_baseline`,
   `baseline_advantages`): a group whose samples all score the same is compared with the
   agent's recent mean reward instead of getting no advantage.
-- Wrong answers pushed off (`unlikelihood`, `unlikely_advantages`): each row of a group
-  whose samples are all wrong gets an advantage of − coef × P / (1 − P), P its answer's
-  probability: the gradient of log(1 − P) (unlikelihood training), so that an answer
-  the policy is growing sure of is opposed where GRPO sees nothing to rank.
 - An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """
@@ -225,8 +221,9 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
   four is pushed onto "y" before it learns when to say "n", and stays there (measured:
   every seed of `experiments/claim_checker.py`, while the same task balanced learns).
   Weighted, each right answer pushes as hard as the others, as class-balanced losses do
-  for skewed classes. Off by default: scaled, on 3 seeds (RESULTS.md), it brings the
-  yes/no judges 0.02–0.30 above their constants, not the 0.3 a default must reach."""
+  for skewed classes. On by default (`balance_answers=10`): scaled, on 3 seeds
+  (RESULTS.md), it brings the yes/no judges from their constants (0.00 above, collapsed
+  onto "y") to 0.02–0.30 above them, and costs the default experiment nothing measurable."""
   weights = np.ones(len(expected), np.float32)
   if not cfg.balance_answers or not 2 <= len(counts) <= cfg.balance_answers:
     return weights
@@ -264,47 +261,6 @@ def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
   return [np.full(len(r), cfg.zero_spread_baseline * (float(r[0]) - mean), np.float32)
           if zero_spread(r) and len(r) else np.asarray(a, np.float32)
           for a, r in zip(advantages, rewards)]
-
-
-def all_wrong(correct: np.ndarray) -> bool:
-  """Whether every sample of a group is known wrong (NaN, unknown, is not)."""
-  return bool(np.size(correct)) and bool(np.all(np.asarray(correct, np.float64) == 0.0))
-
-
-MAX_ODDS = 100.0  # the push's P / (1 − P) stops growing here (P = 0.99)
-
-
-def unlikely_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
-                        correct: Sequence[np.ndarray],
-                        logprobs: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
-  """Per group, its advantages; where every sample is wrong (`all_wrong`), each row's
-  with − `unlikelihood` × P / (1 − P) added, P the sampler's probability of that row's
-  answer (the exponent of the sum of its `logprobs`), P / (1 − P) capped at MAX_ODDS.
-
-  Why: a prompt whose samples are all wrong gives GRPO nothing, so a wrong answer that
-  other prompts' updates make likelier on it hardens unopposed (measured on a yes/no
-  checker balanced by `answer_weights`: after 400 updates, 10 of its 45 claims were
-  answered wrong by every sample). −P / (1 − P) is the gradient of log(1 − P), the
-  probability of not giving that answer, with respect to log P: unlikelihood training's
-  push (Welleck et al., 2019), whose pull on the logits is about `unlikelihood` × P, so
-  an unsure policy (P small: from random weights every group is wrong) is hardly
-  pushed, where a baseline for such groups held it near uniform (`baseline_advantages`).
-  Capped, the pull fades again beyond P = 0.99: it keeps a wrong answer from hardening
-  rather than reviving one that has. Measured (RESULTS.md, "Pushing off wrong answers"):
-  uncapped, the exact −log(1 − P) term, and a coefficient of 1, each moved the checker
-  into noise on some seeds (every token but the pushed one gains, and with few groups
-  that differ Adam turns the pushes into full steps); 0.1, capped, taught it."""
-  if not cfg.unlikelihood:
-    return [np.asarray(a, np.float32) for a in advantages]
-  out = []
-  for a, c, rows in zip(advantages, correct, logprobs):
-    a = np.asarray(a, np.float32)
-    if all_wrong(c):
-      p = np.exp(np.array([float(np.sum(lp, dtype=np.float64)) for lp in rows]))
-      odds = np.minimum(p / np.maximum(1.0 - p, 1e-12), MAX_ODDS)
-      a = a - np.float32(cfg.unlikelihood) * odds.astype(np.float32)
-    out.append(a.astype(np.float32))
-  return out
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,

@@ -90,12 +90,6 @@ class GRPOConfig:
   # answer, and a constant answer that is right on most prompts is no longer pushed up by
   # them. 0: off (GRPO).
   zero_spread_baseline: float = 0.0
-  # Each row of a group whose samples are all wrong gets − this × P / (1 − P) added to
-  # its advantage, P the sampler's probability of its answer (grpo.unlikely_advantages,
-  # unlikelihood training's gradient): a wrong answer the policy grows sure of, where
-  # GRPO has nothing to rank, is pushed off. 0.1 and `balance_answers=10` taught the
-  # suite's yes/no judges (experiments/benchmarks/RESULTS.md). 0: off.
-  unlikelihood: float = 0.1
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -137,8 +131,6 @@ class GRPOConfig:
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
     whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
     whole_number(f'{field}.balance_answers', g.balance_answers, 0)
-    in_range(f'{field}.unlikelihood', g.unlikelihood, 0.0, math.inf,
-             'must be >= 0 (0: off; 0.1 is the default; 1 pushed a judge into noise).')
     in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
