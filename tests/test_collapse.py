@@ -120,8 +120,8 @@ def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
 
 
 def test_answer_weights_balance_few_skewed_right_answers_only():
-  cfg = GRPOConfig()
-  assert cfg.balance_answers == 10  # on by default (RESULTS.md)
+  assert GRPOConfig().balance_answers == 0  # off by default (RESULTS.md)
+  cfg = GRPOConfig(balance_answers=10)
   counts = {'y': 749, 'n': 249}  # with one each: 750 / 250 of 1000
   raw = np.array([1000 / (2 * 750), 1000 / (2 * 250), 1, 1])
   weights = grpo.answer_weights(cfg, counts, ['y', 'n', None, 'x'])

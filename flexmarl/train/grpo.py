@@ -221,9 +221,8 @@ def answer_weights(cfg: GRPOConfig, counts: Mapping[str, int],
   four is pushed onto "y" before it learns when to say "n", and stays there (measured:
   every seed of `experiments/claim_checker.py`, while the same task balanced learns).
   Weighted, each right answer pushes as hard as the others, as class-balanced losses do
-  for skewed classes. On by default (`balance_answers=10`): scaled, on 3 seeds
-  (RESULTS.md), it brings the yes/no judges from their constants (0.00 above, collapsed
-  onto "y") to 0.02–0.30 above them, and costs the default experiment nothing measurable."""
+  for skewed classes. Off by default: scaled, on 3 seeds (RESULTS.md), it brings the
+  yes/no judges 0.02–0.30 above their constants, not the 0.3 a default must reach."""
   weights = np.ones(len(expected), np.float32)
   if not cfg.balance_answers or not 2 <= len(counts) <= cfg.balance_answers:
     return weights

@@ -81,9 +81,10 @@ class GRPOConfig:
   collapse_resets: int = 2
   # Groups weighted so that every right answer weighs the same (grpo.answer_weights),
   # over the agent's last ANSWER_WINDOW calls, where those have 2 to `balance_answers`
-  # distinct right answers (a yes/no judge that sees mostly right answers); the weights
-  # have a mean of 1 over a micro-batch's groups. 0: off.
-  balance_answers: int = 10
+  # distinct right answers (a yes/no judge that sees mostly right answers). 0: off, the
+  # default: 10 taught an imbalanced checker but broke a verifier and slowed an adder
+  # (experiments/benchmarks/RESULTS.md).
+  balance_answers: int = 0
   # A group whose rewards all agree gets (reward - the agent's mean reward in its last
   # batch) × this as its rows' advantage, instead of GRPO's 0
   # (grpo.baseline_advantages): a prompt answered wrong by every sample is pushed off that
