@@ -23,7 +23,7 @@ from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout.pool import InstancePool
-from flexmarl.train import grpo
+from flexmarl.train import grpo, replay
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.trainer import TrainBatch
 
@@ -73,6 +73,9 @@ class Agent:
     self.rewards: collections.deque = collections.deque(maxlen=spec.global_batch)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
+    # Its last right answer per expected answer, which `replay.replays` replays ...
+    self.right_answers: collections.OrderedDict = collections.OrderedDict()
+    self._replayed = 0  # ... and the rows replayed into the batch being accumulated
 
   @property
   def name(self) -> str:
@@ -106,7 +109,8 @@ class Agent:
     the runs of batches its GRPO options count."""
     return dict(version=self.version, stuck_run=self.stuck_run,
                 collapse_run=self.collapse_run, resets=self.resets,
-                answers=list(self.answers), rewards=list(self.rewards))
+                answers=list(self.answers), rewards=list(self.rewards),
+                right_answers=[[e, t.tolist()] for e, t in self.right_answers.items()])
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -120,6 +124,8 @@ class Agent:
     self.answers.extend(meta.get('answers', []))
     self.rewards.clear()
     self.rewards.extend(meta.get('rewards', []))
+    self.right_answers = collections.OrderedDict(
+        (e, np.asarray(t, np.int32)) for e, t in meta.get('right_answers', []))
     self._unpublished = Weights(self.trainer.params, self.version)
     self.publish()
 
@@ -150,16 +156,29 @@ class Agent:
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
+    if cfg.self_imitation:
+      for g in micro:
+        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
+    replayed = [(g, t) for g, t in zip(micro, replay.replays(
+        cfg, [g.expected for g in micro], [g.correct for g in micro], self.right_answers))
+                if t is not None]
+    self._replayed += len(replayed)
     batch = TrainBatch.from_rows(
-        [g.served.prompt_ids for g in micro for _ in range(g.size)],
-        [t for g in micro for t in g.served.tokens],
-        [lp for g in micro for lp in g.served.logprobs],
-        np.concatenate([a * w for a, w in zip(advantages, weights)]),
+        [g.served.prompt_ids for g in micro for _ in range(g.size)]
+        + [g.served.prompt_ids for g, _ in replayed],
+        [t for g in micro for t in g.served.tokens] + [t for _, t in replayed],
+        # A replayed row's behaviour logprobs are the trainer's own (on-policy: ratio 1).
+        [lp for g in micro for lp in g.served.logprobs]
+        + [np.zeros(len(t), np.float32) for _, t in replayed],
+        np.concatenate([a * w for a, w in zip(advantages, weights)]
+                       + [np.full(len(replayed), cfg.self_imitation, np.float32)]),
         prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
         response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
-        on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)],
-        entropy_weight=grpo.entropy_weights(cfg, [g.correct for g in micro]))
+        on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)]
+        + [True] * len(replayed),
+        entropy_weight=np.concatenate([grpo.entropy_weights(cfg, [g.correct for g in micro]),
+                                       np.zeros(len(replayed), np.float32)]))
     version = self.version
 
     def work() -> None:
@@ -179,7 +198,8 @@ class Agent:
 
     Each row's staleness (versions between the one that sampled it and the parameters
     it updates) is measured here, where the update happens. A batch without advantage
-    signal takes no optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto
+    signal, and without rows replayed into it (`replay.replays`; their share in `replayed`),
+    takes no optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto
     one answer for `collapse_after` batches is reset to its starting weights after the
     step (`grpo.resets_now`), and those are what it publishes."""
     t0 = self.clock.now()
@@ -196,7 +216,8 @@ class Agent:
                                [g.expected for g in batch for _ in range(g.size)],
                                [c for g in batch for c in g.correct])
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
-    takes_step = grpo.takes_step(cfg, advantages, self.stuck_run)
+    replayed, self._replayed = self._replayed, 0
+    takes_step = replayed > 0 or grpo.takes_step(cfg, advantages, self.stuck_run)
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
     if cfg.balance_answers:
       self.answers.extend(g.expected for g in batch if g.expected is not None)
@@ -224,8 +245,10 @@ class Agent:
       stats = dict(result(), train_s=self.clock.now() - t0, rows=len(lags),
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
                    stuck_run=stuck_run, collapse_run=collapse_run,
-                   collapse_reset=int(reset), resets=resets)
-      if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
+                   collapse_reset=int(reset), resets=resets, replayed=replayed / len(lags))
+      # Replayed rows carry no served logprobs: the check waits for a batch without them.
+      if (not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats
+          and not replayed):
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True
       return stats

@@ -31,6 +31,7 @@ HARMLESS = ('steps', 'checkpoint_every', 'trace_steps', 'store_keep_steps', 'com
             'agents.*.grpo.skip_without_signal', 'agents.*.grpo.unstick_below',
             'agents.*.grpo.unstick_after', 'agents.*.grpo.collapse_*',
             'agents.*.grpo.balance_answers', 'agents.*.grpo.zero_spread_baseline',
+            'agents.*.grpo.self_imitation',
             'agents.*.grpo.entropy_by_error', 'agents.*.mesh_shape',
             'rollout.devices', 'placement', 'cluster.*',
             'rollout.admission')  # removed: runs that set it resume streaming

@@ -73,6 +73,8 @@ CONFIG_CASES = {
     'nan_clip_high': (_set('agents.solver.grpo.clip_eps_high', math.nan),
                       ['grpo.clip_eps_high=nan']),
     'negative_kl': (_set('agents.solver.grpo.kl_coef', -0.1), ['kl_coef', '-0.1', '>= 0']),
+    'negative_self_imitation': (_set('agents.solver.grpo.self_imitation', -1.0),
+                                ['self_imitation', '-1.0', '>= 0']),
     'negative_seed': (_set('seed', -1), ['config.seed=-1', '>= 0']),
     'zero_steps': (_set('steps', 0), ['config.steps=0', '>= 1']),
     'zero_query_concurrency': (_set('rollout.query_concurrency', 0), ['query_concurrency']),

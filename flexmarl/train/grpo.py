@@ -35,6 +35,8 @@ Options from the field, all per agent:
 - Agreeing groups against the agent's mean reward (`zero_spread_baseline`,
   `baseline_advantages`): a group whose samples all score the same is compared with the
   agent's recent mean reward instead of getting no advantage.
+- Self-imitation (`self_imitation`, `train.replay`): a group whose samples are all wrong
+  gets one more row, the agent's own last right answer for the same expected answer.
 - An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """

@@ -91,6 +91,12 @@ class GRPOConfig:
   # answer, and a constant answer that is right on most prompts is no longer pushed up by
   # them. 0: off (GRPO).
   zero_spread_baseline: float = 0.0
+  # A group whose samples are all wrong gets one more row: the agent's own last right
+  # answer to another call with the same expected answer, with this as its advantage
+  # (train.replay; self-imitation): a prompt answered one wrong way with certainty, which
+  # GRPO cannot rank, is pulled toward an answer the agent has been rewarded for. Needs
+  # the workflow's `expected` answers and correctness. 0: off.
+  self_imitation: float = 0.0
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -132,6 +138,8 @@ class GRPOConfig:
     whole_number(f'{field}.collapse_after', g.collapse_after, 0)
     whole_number(f'{field}.collapse_resets', g.collapse_resets, 0)
     whole_number(f'{field}.balance_answers', g.balance_answers, 0)
+    in_range(f'{field}.self_imitation', g.self_imitation, 0.0, math.inf,
+             'must be >= 0 (0: off; 1: a replayed answer weighs as a right sample does).')
     in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
