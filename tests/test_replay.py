@@ -37,7 +37,9 @@ def test_the_last_right_answer_per_expected_answer_is_remembered_and_replayed():
                         np.array([np.nan, 0.]), np.zeros(2)], memory)
   # Only an all-wrong group whose expected answer the agent has given right elsewhere.
   assert out[0].tolist() == [6, 6, 2] and out[1:] == [None] * 4
-  assert replay.replays(GRPOConfig(), ['n'], [np.zeros(2)], memory) == [None]  # off
+  assert GRPOConfig().self_imitation == 1.0  # on by default (RESULTS.md)
+  off = GRPOConfig(self_imitation=0.0)
+  assert replay.replays(off, ['n'], [np.zeros(2)], memory) == [None]
 
 
 @pytest.mark.quick

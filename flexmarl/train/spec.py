@@ -95,8 +95,9 @@ class GRPOConfig:
   # answer to another call with the same expected answer, with this as its advantage
   # (train.replay; self-imitation): a prompt answered one wrong way with certainty, which
   # GRPO cannot rank, is pulled toward an answer the agent has been rewarded for. Needs
-  # the workflow's `expected` answers and correctness. 0: off.
-  self_imitation: float = 0.0
+  # the workflow's `expected` answers and correctness. 1 carried the suite's yes/no
+  # judges (experiments/benchmarks/RESULTS.md). 0: off.
+  self_imitation: float = 1.0
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
