@@ -156,9 +156,6 @@ class Agent:
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
-    if cfg.self_imitation:
-      for g in micro:
-        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
     replayed = [(g, t) for g, t in zip(micro, replay.replays(
         cfg, [g.expected for g in micro], [g.correct for g in micro], self.right_answers))
                 if t is not None]
@@ -167,9 +164,10 @@ class Agent:
         [g.served.prompt_ids for g in micro for _ in range(g.size)]
         + [g.served.prompt_ids for g, _ in replayed],
         [t for g in micro for t in g.served.tokens] + [t for _, t in replayed],
-        # A replayed row's behaviour logprobs are the trainer's own (on-policy: ratio 1).
+        # A replayed row was not served: NaN logprobs, which the loss reads as the
+        # trainer's own (on-policy: ratio 1).
         [lp for g in micro for lp in g.served.logprobs]
-        + [np.zeros(len(t), np.float32) for _, t in replayed],
+        + [np.full(len(t), np.nan, np.float32) for _, t in replayed],
         np.concatenate([a * w for a, w in zip(advantages, weights)]
                        + [np.full(len(replayed), cfg.self_imitation, np.float32)]),
         prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
@@ -221,6 +219,9 @@ class Agent:
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
     if cfg.balance_answers:
       self.answers.extend(g.expected for g in batch if g.expected is not None)
+    if cfg.self_imitation:  # here, at the update: what a checkpoint of it holds
+      for g in batch:
+        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
     if cfg.zero_spread_baseline:
       self.rewards.extend(float(r) for g in batch for r in g.rewards)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
@@ -246,9 +247,7 @@ class Agent:
                    staleness_max=int(lags.max()), staleness_mean=float(lags.mean()),
                    stuck_run=stuck_run, collapse_run=collapse_run,
                    collapse_reset=int(reset), resets=resets, replayed=replayed / len(lags))
-      # Replayed rows carry no served logprobs: the check waits for a batch without them.
-      if (not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats
-          and not replayed):
+      if not self._checked and stats['staleness_max'] == 0 and 'ratio_dev' in stats:
         check_served_logprobs(self.name, version, stats['ratio_dev'])
         self._checked = True
       return stats

@@ -60,10 +60,12 @@ def loss_sum(params, ref_params, batch: dict, entropy_coef, *, graphdef, cfg: gr
   if ref_params is not None:
     ref_logp, _ = response_logprobs(graphdef, ref_params, batch, cfg.temperature, banned_ids)
     ref_logp = jax.lax.stop_gradient(ref_logp)
-  behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp),
-                        batch['behaviour_logprobs'])
+  # NaN: a row the sampler did not serve (a replayed right answer, train.replay), read
+  # as the trainer's own logprobs.
+  sampler = jnp.where(jnp.isnan(batch['behaviour_logprobs']), jax.lax.stop_gradient(logp),
+                      batch['behaviour_logprobs'])
+  behaviour = jnp.where(batch['on_policy'][:, None], jax.lax.stop_gradient(logp), sampler)
   bonus = entropy_coef * batch['entropy_weight'][:, None]  # [B, 1]
-  sampler = batch['behaviour_logprobs']
   tis = grpo.tis_weights(logp, sampler, cfg.tis_cap) if cfg.tis_cap else None
   per_token = grpo.grpo_token_loss(logp, behaviour, batch['advantages'], entropy, ref_logp,
                                    cfg, bonus, tis)
