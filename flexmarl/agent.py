@@ -73,8 +73,11 @@ class Agent:
     self.rewards: collections.deque = collections.deque(maxlen=spec.global_batch)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
-    # Its last right answer per expected answer, which `replay.replays` replays ...
+    # Its last right answer per expected answer, which `replay.replays` replays: kept up
+    # to date micro-batch by micro-batch, and as of its last update (what a checkpoint
+    # holds: a resumed run accumulates the next batch's micro-batches again from it) ...
     self.right_answers: collections.OrderedDict = collections.OrderedDict()
+    self._right_at_update: collections.OrderedDict = collections.OrderedDict()
     self._replayed = 0  # ... and the rows replayed into the batch being accumulated
 
   @property
@@ -110,7 +113,7 @@ class Agent:
     return dict(version=self.version, stuck_run=self.stuck_run,
                 collapse_run=self.collapse_run, resets=self.resets,
                 answers=list(self.answers), rewards=list(self.rewards),
-                right_answers=[[e, t.tolist()] for e, t in self.right_answers.items()])
+                right_answers=[[e, t.tolist()] for e, t in self._right_at_update.items()])
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -126,6 +129,7 @@ class Agent:
     self.rewards.extend(meta.get('rewards', []))
     self.right_answers = collections.OrderedDict(
         (e, np.asarray(t, np.int32)) for e, t in meta.get('right_answers', []))
+    self._right_at_update = self.right_answers.copy()
     self._unpublished = Weights(self.trainer.params, self.version)
     self.publish()
 
@@ -156,6 +160,9 @@ class Agent:
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
+    if cfg.self_imitation:
+      for g in micro:
+        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
     replayed = [(g, t) for g, t in zip(micro, replay.replays(
         cfg, [g.expected for g in micro], [g.correct for g in micro], self.right_answers))
                 if t is not None]
@@ -219,9 +226,7 @@ class Agent:
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
     if cfg.balance_answers:
       self.answers.extend(g.expected for g in batch if g.expected is not None)
-    if cfg.self_imitation:  # here, at the update: what a checkpoint of it holds
-      for g in batch:
-        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
+    self._right_at_update = self.right_answers.copy()
     if cfg.zero_spread_baseline:
       self.rewards.extend(float(r) for g in batch for r in g.rewards)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
