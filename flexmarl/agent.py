@@ -163,27 +163,34 @@ class Agent:
     if cfg.self_imitation:
       for g in micro:
         replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
-    replayed = [(g, t) for g, t in zip(micro, replay.replays(
-        cfg, [g.expected for g in micro], [g.correct for g in micro], self.right_answers))
-                if t is not None]
-    self._replayed += len(replayed)
+    tokens = [list(g.served.tokens) for g in micro]
+    logprobs = [list(g.served.logprobs) for g in micro]
+    advantages = [a * w for a, w in zip(advantages, weights)]
+    entropy_weights = grpo.entropy_weights(cfg, [g.correct for g in micro])
+    on_policy = np.array([g.served.version == self.version for g in micro
+                          for _ in range(g.size)])
+    # A replayed answer takes the place of its group's last sample, which is wrong like
+    # the rest of its group (GRPO gives it no advantage, only the entropy bonus). The
+    # batch keeps its rows and shape: no micro-batch grows past its padded size or
+    # compiles a new step.
+    end = np.cumsum([g.size for g in micro]) - 1
+    for i, t in enumerate(replay.replays(cfg, [g.expected for g in micro],
+                                         [g.correct for g in micro], self.right_answers)):
+      if t is None:
+        continue
+      self._replayed += 1
+      # Not served: NaN logprobs, which the loss reads as the trainer's own (ratio 1).
+      tokens[i][-1], logprobs[i][-1] = t, np.full(len(t), np.nan, np.float32)
+      advantages[i] = np.concatenate([advantages[i][:-1], [cfg.self_imitation]])
+      entropy_weights[end[i]], on_policy[end[i]] = 0.0, True
     batch = TrainBatch.from_rows(
-        [g.served.prompt_ids for g in micro for _ in range(g.size)]
-        + [g.served.prompt_ids for g, _ in replayed],
-        [t for g in micro for t in g.served.tokens] + [t for _, t in replayed],
-        # A replayed row was not served: NaN logprobs, which the loss reads as the
-        # trainer's own (on-policy: ratio 1).
-        [lp for g in micro for lp in g.served.logprobs]
-        + [np.full(len(t), np.nan, np.float32) for _, t in replayed],
-        np.concatenate([a * w for a, w in zip(advantages, weights)]
-                       + [np.full(len(replayed), cfg.self_imitation, np.float32)]),
+        [g.served.prompt_ids for g in micro for _ in range(g.size)],
+        [t for group in tokens for t in group], [lp for group in logprobs for lp in group],
+        np.concatenate(advantages).astype(np.float32),
         prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
         response_len=self.spec.sampling.max_new_tokens,
         pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
-        on_policy=[g.served.version == self.version for g in micro for _ in range(g.size)]
-        + [True] * len(replayed),
-        entropy_weight=np.concatenate([grpo.entropy_weights(cfg, [g.correct for g in micro]),
-                                       np.zeros(len(replayed), np.float32)]))
+        on_policy=on_policy, entropy_weight=entropy_weights)
     version = self.version
 
     def work() -> None:

@@ -1,6 +1,6 @@
 """Self-imitation (`grpo.self_imitation`, `flexmarl.train.replay`): a group whose samples
-are all wrong gets the agent's own last right answer for the same expected answer, as
-one more row; the update then raises that answer where GRPO alone takes no step, and a
+are all wrong gets the agent's own last right answer for the same expected answer, in
+place of its last sample (the batch keeps its shape); the update then raises that answer where GRPO alone takes no step, and a
 checkpoint keeps what the agent remembers."""
 
 import collections
@@ -97,6 +97,8 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   wrong = _groups(imitating, stuck, Y, 0.0, 'n')
   stats = imitating.update(wrong, [wrong])()
   assert stats['skipped_update'] == 0.0 and stats['replayed'] == 2 / 8
+  # In place of a sample: the batch keeps its 8 rows (one more would pad it to 16).
+  assert stats['rows'] == 8 and stats['trained_tokens'] == 8 * len(Y)
   assert _logprob(imitating, stuck, N) > before + 0.01
   wrong = _groups(grpo_only, stuck, Y, 0.0, 'n')
   assert grpo_only.update(wrong, [wrong])()['skipped_update'] == 1.0

@@ -1,8 +1,8 @@
 """Self-imitation: an agent's own right answers, replayed where all its samples are wrong.
 
-A group whose samples are all wrong gives GRPO nothing to rank; `replays` gives it one
-more row, the agent's last right answer to a call with the same expected answer
-(`remember_right` keeps them), trained with advantage `GRPOConfig.self_imitation`. Pure
+A group whose samples are all wrong gives GRPO nothing to rank; `replays` gives it, in
+place of its last sample, the agent's last right answer to a call with the same expected
+answer (`remember_right` keeps them), trained with advantage `GRPOConfig.self_imitation`. Pure
 functions over a memory the agent owns (and its checkpoint keeps)."""
 
 from __future__ import annotations

@@ -91,9 +91,9 @@ class GRPOConfig:
   # answer, and a constant answer that is right on most prompts is no longer pushed up by
   # them. 0: off (GRPO).
   zero_spread_baseline: float = 0.0
-  # A group whose samples are all wrong gets one more row: the agent's own last right
-  # answer to another call with the same expected answer, with this as its advantage
-  # (train.replay; self-imitation): a prompt answered one wrong way with certainty, which
+  # A group whose samples are all wrong has its last sample replaced by the agent's own
+  # last right answer to another call with the same expected answer, with this as its
+  # advantage (train.replay; self-imitation): a prompt answered one wrong way with certainty, which
   # GRPO cannot rank, is pulled toward an answer the agent has been rewarded for. Needs
   # the workflow's `expected` answers and correctness. 1 carried the suite's yes/no
   # judges (experiments/benchmarks/RESULTS.md). 0: off.
