@@ -170,9 +170,10 @@ class Agent:
     on_policy = np.array([g.served.version == self.version for g in micro
                           for _ in range(g.size)])
     # A replayed answer takes the place of its group's last sample, which is wrong like
-    # the rest of its group (GRPO gives it no advantage, only the entropy bonus). The
-    # batch keeps its rows and shape: no micro-batch grows past its padded size or
-    # compiles a new step.
+    # the rest of its group (GRPO gives it no advantage, only the entropy bonus), and
+    # keeps that row's entropy weight: on the same prompt, the policy's entropy at the
+    # answer's first token is the replaced row's. The batch keeps its rows and shape: no
+    # micro-batch grows past its padded size or compiles a new step.
     end = np.cumsum([g.size for g in micro]) - 1
     for i, t in enumerate(replay.replays(cfg, [g.expected for g in micro],
                                          [g.correct for g in micro], self.right_answers)):
@@ -182,7 +183,7 @@ class Agent:
       # Not served: NaN logprobs, which the loss reads as the trainer's own (ratio 1).
       tokens[i][-1], logprobs[i][-1] = t, np.full(len(t), np.nan, np.float32)
       advantages[i] = np.concatenate([advantages[i][:-1], [cfg.self_imitation]])
-      entropy_weights[end[i]], on_policy[end[i]] = 0.0, True
+      on_policy[end[i]] = True
     batch = TrainBatch.from_rows(
         [g.served.prompt_ids for g in micro for _ in range(g.size)],
         [t for group in tokens for t in group], [lp for group in logprobs for lp in group],

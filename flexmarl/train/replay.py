@@ -45,7 +45,7 @@ def replays(cfg: GRPOConfig, expected: Sequence[str | None], correct: Sequence[n
   self-imitation learning (Oh et al., 2018, "Self-Imitation Learning"): the agent
   imitates its own rewarded behaviour, here an answer the workflow judged right for the
   same expected answer. The replayed row is trained on-policy (the trainer's own
-  logprob is its behaviour: ratio 1) and gets no entropy bonus."""
+  logprob is its behaviour: ratio 1), in the place of one of the group's samples."""
   if not cfg.self_imitation:
     return [None] * len(expected)
   return [memory.get(e) if e is not None and np.size(c) and np.all(np.asarray(c) == 0.0)
