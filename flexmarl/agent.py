@@ -73,11 +73,11 @@ class Agent:
     self.rewards: collections.deque = collections.deque(maxlen=spec.global_batch)
     self._unpublished: Weights | None = None  # the last update's, until published
     self._checked = False  # served logprobs compared with the trainer's (first update)
-    # Its last right answer per expected answer, which `replay.replays` replays: kept up
+    # Its best answer so far per expected answer, which `replay.replays` replays: kept up
     # to date micro-batch by micro-batch, and as of its last update (what a checkpoint
     # holds: a resumed run accumulates the next batch's micro-batches again from it) ...
-    self.right_answers: collections.OrderedDict = collections.OrderedDict()
-    self._right_at_update: collections.OrderedDict = collections.OrderedDict()
+    self.best_answers: collections.OrderedDict = collections.OrderedDict()
+    self._best_at_update: collections.OrderedDict = collections.OrderedDict()
     self._replayed = 0  # ... and the rows replayed into the batch being accumulated
 
   @property
@@ -113,7 +113,8 @@ class Agent:
     return dict(version=self.version, stuck_run=self.stuck_run,
                 collapse_run=self.collapse_run, resets=self.resets,
                 answers=list(self.answers), rewards=list(self.rewards),
-                right_answers=[[e, t.tolist()] for e, t in self._right_at_update.items()])
+                best_answers=[[e, b.tokens.tolist(), b.reward, b.right]
+                              for e, b in self._best_at_update.items()])
 
   def restore(self, train_state: dict, meta: dict) -> None:
     """Take a checkpoint's state and `counters` (its meta) and serve it."""
@@ -127,9 +128,12 @@ class Agent:
     self.answers.extend(meta.get('answers', []))
     self.rewards.clear()
     self.rewards.extend(meta.get('rewards', []))
-    self.right_answers = collections.OrderedDict(
-        (e, np.asarray(t, np.int32)) for e, t in meta.get('right_answers', []))
-    self._right_at_update = self.right_answers.copy()
+    # A checkpoint written before wrong answers were kept holds right ones only.
+    kept = meta.get('best_answers') or [[e, t, 1.0, True] for e, t in
+                                        meta.get('right_answers', [])]
+    self.best_answers = collections.OrderedDict(
+        (e, replay.Best(np.asarray(t, np.int32), reward, right)) for e, t, reward, right in kept)
+    self._best_at_update = self.best_answers.copy()
     self._unpublished = Weights(self.trainer.params, self.version)
     self.publish()
 
@@ -162,7 +166,8 @@ class Agent:
                                   [g.expected for g in micro])
     if cfg.self_imitation:
       for g in micro:
-        replay.remember_right(self.right_answers, g.expected, g.correct, g.served.tokens)
+        replay.remember_best(self.best_answers, g.expected, g.rewards, g.correct,
+                             g.served.tokens)
     tokens = [list(g.served.tokens) for g in micro]
     logprobs = [list(g.served.logprobs) for g in micro]
     advantages = [a * w for a, w in zip(advantages, weights)]
@@ -176,7 +181,8 @@ class Agent:
     # micro-batch grows past its padded size or compiles a new step.
     end = np.cumsum([g.size for g in micro]) - 1
     for i, t in enumerate(replay.replays(cfg, [g.expected for g in micro],
-                                         [g.correct for g in micro], self.right_answers)):
+                                         [g.rewards for g in micro], [g.correct for g in micro],
+                                         self.best_answers)):
       if t is None:
         continue
       self._replayed += 1
@@ -234,7 +240,7 @@ class Agent:
     stuck_run, collapse_run = self.stuck_run, self.collapse_run
     if cfg.balance_answers:
       self.answers.extend(g.expected for g in batch if g.expected is not None)
-    self._right_at_update = self.right_answers.copy()
+    self._best_at_update = self.best_answers.copy()
     if cfg.zero_spread_baseline:
       self.rewards.extend(float(r) for g in batch for r in g.rewards)
     reset = grpo.resets_now(cfg, self.collapse_run, self.resets)

@@ -1,5 +1,5 @@
 """Self-imitation (`grpo.self_imitation`, `flexmarl.train.replay`): a group whose samples
-are all wrong gets the agent's own last right answer for the same expected answer, in
+are all wrong gets the agent's own best answer so far for the same expected answer, in
 place of its last sample (the batch keeps its shape); the update then raises that answer where GRPO alone takes no step, and a
 checkpoint keeps what the agent remembers."""
 
@@ -27,19 +27,42 @@ N, Y = np.array([6, 2]), np.array([5, 2])  # two answers' token ids (then EOS)
 @pytest.mark.quick
 def test_the_last_right_answer_per_expected_answer_is_remembered_and_replayed():
   memory = collections.OrderedDict()
-  replay.remember_right(memory, 'n', np.array([0., 1., 1.]), [Y, N, np.array([6, 6, 2])])
-  replay.remember_right(memory, 'y', np.array([0., 0.]), [N, N])  # nothing right: nothing
-  replay.remember_right(memory, None, np.array([1.]), [Y])  # no expected answer: nothing
-  assert list(memory) == ['n'] and memory['n'].tolist() == [6, 6, 2]  # the last right one
+  replay.remember_best(memory, 'n', np.array([0., 1., 1.]), np.array([0., 1., 1.]),
+                       [Y, N, np.array([6, 6, 2])])
+  replay.remember_best(memory, 'y', np.zeros(2), np.zeros(2), [N, N])  # no reward: nothing
+  replay.remember_best(memory, None, np.ones(1), np.ones(1), [Y])  # no expected answer
+  assert list(memory) == ['n'] and memory['n'].tokens.tolist() == [6, 6, 2]  # the last
   cfg = GRPOConfig(self_imitation=1.0)
   out = replay.replays(cfg, ['n', 'n', 'y', 'n', None],
+                       [np.zeros(2), np.array([1., 0.]), np.zeros(2), np.zeros(2),
+                        np.zeros(2)],
                        [np.zeros(2), np.array([1., 0.]), np.zeros(2),
                         np.array([np.nan, 0.]), np.zeros(2)], memory)
   # Only an all-wrong group whose expected answer the agent has given right elsewhere.
   assert out[0].tolist() == [6, 6, 2] and out[1:] == [None] * 4
   assert GRPOConfig().self_imitation == 1.0  # on by default (RESULTS.md)
   off = GRPOConfig(self_imitation=0.0)
-  assert replay.replays(off, ['n'], [np.zeros(2)], memory) == [None]
+  assert replay.replays(off, ['n'], [np.zeros(2)], [np.zeros(2)], memory) == [None]
+
+
+@pytest.mark.quick
+def test_while_never_right_the_best_scored_answer_is_kept_until_a_right_one():
+  """A checker that found `n` only with a stray letter after it (half the partial
+  credit) replays that where its group scores less, and a right `n` then takes over."""
+  memory, cfg = collections.OrderedDict(), GRPOConfig(self_imitation=1.0)
+  nq, nx = np.array([6, 9, 2]), np.array([6, 8, 2])
+  replay.remember_best(memory, 'n', np.array([0.0, 0.5]), np.zeros(2), [Y, nq])
+  replay.remember_best(memory, 'n', np.array([0.5, 0.0]), np.zeros(2), [nx, Y])  # no better
+  assert memory['n'].tokens.tolist() == nq.tolist() and not memory['n'].right
+  out = replay.replays(cfg, ['n', 'n'], [np.zeros(2), np.array([0.5, 0.0])],
+                       [np.zeros(2), np.zeros(2)], memory)
+  assert out[0].tolist() == nq.tolist() and out[1] is None  # the second scored as much
+  replay.remember_best(memory, 'n', np.array([0.0, 1.0]), np.array([0., 1.]), [Y, N])
+  replay.remember_best(memory, 'n', np.array([0.5]), np.zeros(1), [nx])  # right stays
+  best = memory['n']
+  assert best.right and best.reward == 1.0 and best.tokens.tolist() == N.tolist()
+  out = replay.replays(cfg, ['n'], [np.array([0.5, 0.5])], [np.zeros(2)], memory)
+  assert out[0].tolist() == N.tolist()  # a right answer: whatever the group scored
 
 
 @pytest.mark.quick
@@ -47,7 +70,7 @@ def test_the_memory_keeps_the_most_recent_expected_answers(monkeypatch):
   monkeypatch.setattr(replay, 'REPLAY_MEMORY', 2)
   memory = collections.OrderedDict()
   for answer in ('a', 'b', 'a', 'c'):
-    replay.remember_right(memory, answer, np.ones(1), [Y])
+    replay.remember_best(memory, answer, np.ones(1), np.ones(1), [Y])
   assert list(memory) == ['a', 'c']
 
 
@@ -91,7 +114,7 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   for agent in (imitating, grpo_only):  # an update where `n` was right on another prompt
     seen = _groups(agent, other, N, 1.0, 'n')
     agent.update(seen, [seen])()
-  assert list(imitating.right_answers) == ['n'] and not grpo_only.right_answers
+  assert list(imitating.best_answers) == ['n'] and not grpo_only.best_answers
   before = _logprob(imitating, stuck, N)
   assert before == _logprob(grpo_only, stuck, N)  # twins: both skipped the solved batch
   wrong = _groups(imitating, stuck, Y, 0.0, 'n')
@@ -105,4 +128,5 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   assert _logprob(grpo_only, stuck, N) == before
   restored = _agent(1.0)
   restored.restore(imitating.train_state(), imitating.counters())
-  assert {e: t.tolist() for e, t in restored.right_answers.items()} == {'n': N.tolist()}
+  assert {e: (b.tokens.tolist(), b.right) for e, b in restored.best_answers.items()} == {
+      'n': (N.tolist(), True)}

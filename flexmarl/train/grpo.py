@@ -36,7 +36,7 @@ Options from the field, all per agent:
   `baseline_advantages`): a group whose samples all score the same is compared with the
   agent's recent mean reward instead of getting no advantage.
 - Self-imitation (`self_imitation`, `train.replay`): a group whose samples are all wrong
-  has its last sample replaced by the agent's own last right answer for the same
+  has its last sample replaced by the agent's own best answer so far for the same
   expected answer.
 - An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).

@@ -92,11 +92,11 @@ class GRPOConfig:
   # them. 0: off (GRPO).
   zero_spread_baseline: float = 0.0
   # A group whose samples are all wrong has its last sample replaced by the agent's own
-  # last right answer to another call with the same expected answer, with this as its
-  # advantage (train.replay; self-imitation): a prompt answered one wrong way with certainty, which
-  # GRPO cannot rank, is pulled toward an answer the agent has been rewarded for. Needs
-  # the workflow's `expected` answers and correctness. 1 carried the suite's yes/no
-  # judges (experiments/benchmarks/RESULTS.md). 0: off.
+  # best answer so far to a call with the same expected answer (its last right one, or
+  # its best-scored while none was right), with this as its advantage (train.replay;
+  # self-imitation): a prompt answered one wrong way with certainty, which GRPO cannot
+  # rank, is pulled toward an answer the agent has been rewarded for. Needs the
+  # workflow's `expected` answers and correctness. 0: off (RESULTS.md, "Self-imitation").
   self_imitation: float = 1.0
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
