@@ -33,9 +33,9 @@ def remember_best(memory: collections.OrderedDict, expected: str | None,
   REPLAY_MEMORY of them) the best of a group's samples: the last right one, or, while
   none has been right, the highest-rewarded wrong one that beats what is kept.
 
-  Why the wrong ones: an answer that was never once right has nothing to replay, and a
-  policy can lose it before it is: a yes/no checker whose claims are mostly right found
-  `n` followed by a stray letter (half the partial credit) and never `n` alone, then
+  Why the wrong ones: an answer never once right has nothing to replay, and a policy can
+  lose its way to it before it gets there: a yes/no checker whose claims are mostly right
+  found `n` followed by a stray letter (half the partial credit), never `n` alone, then
   said `y` to everything (RESULTS.md). Its best partial answer is still a step toward
   the right one."""
   if expected is None or not len(tokens):
