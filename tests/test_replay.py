@@ -130,3 +130,10 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   restored.restore(imitating.train_state(), imitating.counters())
   assert {e: (b.tokens.tolist(), b.right) for e, b in restored.best_answers.items()} == {
       'n': (N.tolist(), True)}
+  # A checkpoint from before wrong answers were kept holds right ones under another key.
+  meta = dict(imitating.counters(), right_answers=[['n', N.tolist()]])
+  del meta['best_answers']
+  older = _agent(1.0)
+  older.restore(imitating.train_state(), meta)
+  assert {e: (b.tokens.tolist(), b.right) for e, b in older.best_answers.items()} == {
+      'n': (N.tolist(), True)}
