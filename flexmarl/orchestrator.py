@@ -177,6 +177,7 @@ class JointOrchestrator:
       meta = metas[name]
       agent.restore(states[name], meta)
       self.next_query = meta['next_query']
+      self.journal.resumed(name, meta.get('trained', []))
       groups = self._carried_groups(name, step, meta['buffer'], log)
       self.schedule.carry(name, groups)
       carried = [s for g in groups for s in g.served.sample_ids]
@@ -214,14 +215,17 @@ class JointOrchestrator:
     """Checkpoint every agent; then mark the rows those updates trained on consumed.
 
     The rows a checkpoint carries over are read back from the store on restore, so
-    every pending append is durable before any checkpoint is written."""
+    every pending append is durable before any checkpoint is written. A checkpoint
+    also names the rows trained on since the one before: a crash after it is written,
+    before the marks land, is mended by the resume from it (`Journal.resumed`)."""
     self.journal.flush()
     meta = {'step': self.step, 'next_query': self.next_query}
     carried = self.schedule.carried()
     for name, agent in self.agents.items():
       agent.checkpointer.save(self.step, agent.train_state(),
                               dict(meta, **agent.counters(),
-                                   buffer=[group_ref(g) for g in carried[name]]))
+                                   buffer=[group_ref(g) for g in carried[name]],
+                                   trained=self.journal.to_consume(name)))
     for agent in self.agents.values():
       agent.checkpointer.wait()
     self.journal.checkpointed(self.step, {n: [s for g in groups for s in g.served.sample_ids]

@@ -55,6 +55,19 @@ class Journal:
     """Rows an update trained on: consumed once the next checkpoint is written."""
     self._trained[name] += [s for g in groups for s in g.served.sample_ids]
 
+  def to_consume(self, name: str) -> list[str]:
+    """The rows trained on since the last checkpoint: the next checkpoint names them, so
+    that a resume from it marks them consumed again where a crash cut `checkpointed` off
+    (between the checkpoint's write and the store's marks)."""
+    return list(self._trained[name])
+
+  def resumed(self, name: str, trained: Sequence[str]) -> None:
+    """A resume from a checkpoint that names `trained` (see `to_consume`): mark those
+    rows consumed, as `checkpointed` did or would have done before a crash (marking is
+    idempotent); rows retention has dropped since stay dropped."""
+    missing = set(self.store.missing(name, trained)) if trained else set()
+    self.store.mark_consumed(name, [s for s in trained if s not in missing])
+
   def write(self, step: int) -> None:
     """Append the queued rows of step `step` in the background.
 
