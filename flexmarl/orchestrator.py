@@ -36,6 +36,7 @@ from flexmarl.held_out import evaluate, format_eval
 from flexmarl.interfaces import Stats
 from flexmarl.interrupt import StopRequest
 from flexmarl.metrics import spans, utilization
+from flexmarl.metrics.no_update import UpdateWatch
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.starvation import StarvationWatch
 from flexmarl.metrics.summary import format_step, write_summary
@@ -212,12 +213,9 @@ class JointOrchestrator:
       return []
 
   def save(self) -> None:
-    """Checkpoint every agent; then mark the rows those updates trained on consumed.
-
-    The rows a checkpoint carries over are read back from the store on restore, so
-    every pending append is durable before any checkpoint is written. A checkpoint
-    also names the rows trained on since the one before: a crash after it is written,
-    before the marks land, is mended by the resume from it (`Journal.resumed`)."""
+    """Checkpoint every agent (its carried rows are read back from the store on restore,
+    so every append is durable first); then mark the rows its updates trained on consumed
+    (it names them too: a resume from it marks them, should a crash cut the marks off)."""
     self.journal.flush()
     meta = {'step': self.step, 'next_query': self.next_query}
     carried = self.schedule.carried()
@@ -298,6 +296,8 @@ class JointOrchestrator:
       trace = os.path.join(self.workdir, spans.TRACE_FILE)
       self.recorder.write_to(spans.TraceWriter(trace, start_step, self.spec.trace_steps))
       stalls, t0 = StallWatch(), self.clock.now()
+      batches = {n: a.global_batch for n, a in self.spec.agents.items()}
+      waits = UpdateWatch(batches, self.spec.rollout.max_step_queries)
       if not start_step and self.spec.evaluates_after(0):
         self.evaluate(writer, log)  # the starting weights: the "before" figure
       with StopRequest() as stop:
@@ -309,7 +309,8 @@ class JointOrchestrator:
               for line in stalls.lines(agent, self.step, values,
                                        self.agents[agent].spec.grpo):
                 log(line)
-          for warning in self.starvation.end_step(self.step):
+          for warning in [*self.starvation.end_step(self.step),
+                          *waits.end_step(self.step, lines)]:
             log(f'warning: {warning}')
           if self.step % max(1, self.spec.steps // 100) == 0 or self.step == start_step + 1:
             log(format_step(self.step, self.spec.steps, lines))
@@ -326,7 +327,9 @@ class JointOrchestrator:
         writer.close()
       self.close()
     return write_summary(self.workdir, self.clock.now() - t0,
-                         utilization.run_summary(spans.load_spans(trace)), steps=self.step)
+                         utilization.run_summary(spans.load_spans(trace)), steps=self.step,
+                         global_batches=batches,
+                         max_step_queries=self.spec.rollout.max_step_queries)
 
   def evaluate(self, writer: MetricsWriter, log=print) -> None:
     """Held-out evaluation of the published weights (`held_out`); an early rollout is dropped."""

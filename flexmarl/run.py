@@ -59,7 +59,8 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   check_workflow_api(workflow)
   spec = team_spec(config, {n: t.vocab_size for n, t in tokenizers.items()},
                    workflow.agent_names())
-  _check_workflow_runs(spec, workflow, tokenizers)
+  for warning in _check_workflow_runs(spec, workflow, tokenizers):
+    log(f'warning: {warning}')
   # 2. The devices and the placement on them.
   started = _jax_started()  # then the GPU memory shares cannot be set: JAX read them
   devices, shares, cluster = _start_devices(spec, started)
@@ -102,12 +103,14 @@ def _load_tokenizers(config) -> tuple[dict, dict]:
   return {name: loaded[path] for name, path in paths.items()}, loaded
 
 
-def _check_workflow_runs(spec, workflow, tokenizers) -> None:
+def _check_workflow_runs(spec, workflow, tokenizers) -> list[str]:
   """The workflow's dry run (flexmarl.workflows.checks) on a query: its prompts encode and
-  fit `max_prompt_len`; a run that evaluates has held-out problems to evaluate on."""
+  fit `max_prompt_len`; a run that evaluates has held-out problems to evaluate on.
+  Returns warnings: agents the run's queries cannot serve a global batch."""
   from flexmarl.config import check_prompt_lengths
   from flexmarl.errors import ConfigError
   from flexmarl.held_out import has_held_out
+  from flexmarl.metrics.no_update import start_warnings
   from flexmarl.workflows.checks import check_workflow
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
                             spec.seed)
@@ -116,6 +119,8 @@ def _check_workflow_runs(spec, workflow, tokenizers) -> None:
     raise ConfigError(f'config.eval_every={spec.eval_every}: the workflow '
                       f'{type(workflow).__name__} has no held-out problems (an eval_queries() '
                       'method); set eval_every=0 or use a workflow that has them.')
+  return start_warnings(requests, {n: a.global_batch for n, a in spec.agents.items()},
+                        spec.steps, spec.rollout.max_step_queries)
 
 
 def _start_devices(spec, started: bool):
@@ -204,6 +209,7 @@ def format_summary(summary: dict) -> str:
     rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
                 f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8} "
                 f"{constant}")
+  rows += [f"  {s['no_update']}" for s in summary['agents'].values() if 'no_update' in s]
   for name, e in summary.get('eval', {}).items():
     rows.append(f"{name:<12} held-out greedy accuracy {e['first_accuracy']:.2f} (step "
                 f"{e['first_step']}) → {e['last_accuracy']:.2f} (step {e['last_step']})")

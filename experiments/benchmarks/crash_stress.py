@@ -35,6 +35,7 @@ import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')  # to read checkpoints
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from flexmarl.metrics.no_update import reason, waiting_rows
 from flexmarl.metrics.writer import TEAM, format_steps, lost_steps, scan_metrics
 
 
@@ -49,6 +50,9 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
         'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
         'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
         'updates': len(mine)}
+    if not mine:  # what waits in its buffer, for the end table's reason
+      steps = sorted((l for l in lines if l['agent'] == agent), key=lambda l: l['step'])
+      summary['agents'][agent].update(waiting_rows=waiting_rows(steps[-1]), steps=len(steps))
     if any('best_constant' in l for l in last):  # the workflow gave expected answers
       summary['agents'][agent].update({f'last_{key}': _mean(last, key) for key in SKILL})
   if evals:  # held-out greedy accuracy at the first evaluation and at the last
@@ -66,13 +70,20 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
 
 
 def write_summary(workdir: str, wall_s: float, utilization: dict | None = None,
-                  window: int = 5, steps: int | None = None) -> dict:
+                  window: int = 5, steps: int | None = None,
+                  global_batches: Mapping[str, int] | None = None,
+                  max_step_queries: int = 0) -> dict:
   """`summarize` the workdir's metrics.jsonl into summary.json; lines that could not be
   read are listed under 'problems'. `utilization`: busy fractions per device group.
   `steps`: the run's step; the summary then counts it, and lists the steps before it
-  whose metrics lines are lost under 'metrics_lost'."""
+  whose metrics lines are lost under 'metrics_lost'. With `global_batches` (and the
+  run's `max_step_queries`), an agent without updates says why under 'no_update'."""
   lines, problems = scan_metrics(os.path.join(workdir, 'metrics.jsonl'))
   summary = summarize(lines, wall_s, window)
+  for agent, s in summary['agents'].items():
+    if not s['updates'] and agent in (global_batches or {}):
+      s['no_update'] = reason(agent, s['steps'], s['waiting_rows'], global_batches[agent],
+                              max_step_queries)
   summary['utilization'] = utilization or {}
   if steps is not None:
     summary['steps'] = steps
