@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.errors import ConfigError
+from flexmarl.errors import CheckpointFileError, ConfigError
 from flexmarl.models import gguf, hf, peft, sharding
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
@@ -172,6 +172,8 @@ def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
          'package:NAME for the GGUF file an installed package ships.')
   try:
     return hf.model_config_from_hf(folder, dtype=dtype)
+  except CheckpointFileError as e:  # it names the file; the message names the field
+    raise ConfigError(f'config.{field}={folder!r}: {e.problem}') from None
   except (KeyError, ValueError) as e:
     raise ConfigError(f'config.{field}={folder!r}: {e}') from None
 

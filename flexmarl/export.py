@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 import ml_collections
@@ -24,12 +25,14 @@ from absl import app, flags
 from flax import nnx
 
 from flexmarl.config import agent_spec
+from flexmarl.errors import ConfigError
 from flexmarl.models import hf, lora, peft, transformer
 from flexmarl.run import quiet_logging
 from flexmarl.tokenizer import load_tokenizer
 from flexmarl.train import shared_base
-from flexmarl.train.checkpoint import AgentCheckpointer
+from flexmarl.train.checkpoint import AgentCheckpointer, saved_steps
 from flexmarl.train.optimizer import make_optimizer
+from flexmarl.workdir import WorkdirError
 
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
 _DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (default: as trained).')
@@ -38,20 +41,12 @@ _DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (de
 def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
            dtype: str | None = None) -> str:
   """Write `agent`'s checkpoint `step` (default: latest) of the run in `workdir`."""
-  config_file = os.path.join(workdir, 'config.json')
-  if not os.path.exists(config_file):
-    raise FileNotFoundError(f'WORKDIR={workdir!r} has no config.json: give the --workdir '
-                            'of a flexmarl.main run.')
-  with open(config_file, encoding='utf-8') as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = _run_config(workdir, agent, step, dtype)
   own = os.path.join(workdir, 'tokenizers', agent)  # the agent's own, if it had one
   tokenizer = load_tokenizer(own if os.path.isdir(own) else os.path.join(workdir, 'tokenizer'))
   spec = agent_spec(config, agent, tokenizer.vocab_size)
   checkpointer = AgentCheckpointer(workdir, agent)
   steps = checkpointer.steps()
-  if not steps or (step is not None and step not in steps):
-    raise FileNotFoundError(f'agent {agent!r} in {workdir!r} has checkpoints {steps}; '
-                            f'step {step} is not one of them.')
   # Restore onto one device, as shapes first: nothing is initialised just to be replaced.
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   trainable, frozen = lora.partition(nnx.to_pure_dict(transformer.abstract_model(spec.model)[1]),
@@ -73,11 +68,43 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
   return hf.save_hf(spec.model, params, out_dir, tokenizer=tokenizer, dtype=dtype)
 
 
+def _run_config(workdir: str, agent: str, step: int | None, dtype: str | None
+                ) -> ml_collections.ConfigDict:
+  """The run's config, once the arguments are checked against it: before any work, and
+  before anything is written."""
+  config_file = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(config_file):
+    raise WorkdirError(f'WORKDIR={workdir!r} holds no run (no config.json): give the '
+                       'workdir of a flexmarl.main run.')
+  with open(config_file, encoding='utf-8') as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  if agent not in config.get('agents', {}):
+    raise ConfigError(f'AGENT={agent!r}: the run in {workdir!r} has no agent {agent!r}; give '
+                      f'one of its config.agents: {sorted(config.get("agents", {}))}.')
+  steps = saved_steps(workdir, agent)
+  if not steps:
+    raise WorkdirError(f'AGENT={agent!r}: the run in {workdir!r} has no checkpoint of it yet; '
+                       'train it until a step that checkpoint_every saves, then export.')
+  if step is not None and step not in steps:
+    raise WorkdirError(f'--step={step}: agent {agent!r} in {workdir!r} has checkpoints of '
+                       f'steps {steps}; give one of them, or leave --step out (the latest).')
+  if dtype is not None:
+    try:
+      jax.numpy.dtype(dtype)
+    except TypeError:
+      raise ConfigError(f'--dtype={dtype!r} is not a dtype; give e.g. bfloat16 or float32, '
+                        'or leave it out (as trained).') from None
+  return config
+
+
 def main(argv):
   quiet_logging()  # Orbax logs every restore step at INFO; warnings still show
   if len(argv) != 4:
     raise app.UsageError('usage: python -m flexmarl.export WORKDIR AGENT OUT_DIR')
-  out = export(argv[1], argv[2], argv[3], step=_STEP.value, dtype=_DTYPE.value)
+  try:
+    out = export(argv[1], argv[2], argv[3], step=_STEP.value, dtype=_DTYPE.value)
+  except (ConfigError, WorkdirError) as e:  # the message names the argument and the fix
+    sys.exit(f'{type(e).__name__}: {e}')
   print(f'wrote {out}')
 
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from flexmarl.errors import CheckpointFileError, ConfigError
+
 PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
 CHAT_ROLES = ('system', 'user', 'assistant', 'tool')
 # A prompt: raw text, or chat messages ({'role': ..., 'content': ...}) that the agent's
@@ -40,14 +42,16 @@ class TextTokenizer:
 
   def __init__(self, tokenizer: Tokenizer, *, eos: str = EOS, bos: str | None = BOS,
                pad: str | None = PAD, alphabet: str | None = None,
-               hf_config: dict | None = None, extra_stop_ids: tuple[int, ...] = ()):
+               hf_config: dict | None = None, extra_stop_ids: tuple[int, ...] = (),
+               source: str = ''):
     """`alphabet`: the only characters `encode` accepts (the char tokenizer's), or None.
     `hf_config`: the rest of the folder's tokenizer_config.json (chat template, added
     tokens...), written back by `save` so an exported model keeps it.
     `extra_stop_ids`: further ids that end an answer (a model's generation_config
-    may list several EOS ids)."""
+    may list several EOS ids). `source`: what it was loaded from ('char', a folder, a
+    GGUF checkpoint), named in its errors so the user knows which setting to change."""
     self.hf = tokenizer
-    self.alphabet = alphabet
+    self.alphabet, self.source = alphabet, source
     self.hf_config = dict(hf_config or {})
     vocab = tokenizer.get_vocab()
     for role, special in (('eos', eos), ('bos', bos), ('pad', pad)):
@@ -111,9 +115,12 @@ class TextTokenizer:
     """The text of `messages` in the model's chat format, ending (by default) with the
     header of the assistant's turn that the model is to write."""
     if not self.chat_template:
-      raise ValueError('this tokenizer has no chat template (tokenizer_config.json '
-                       '"chat_template"); pass the prompt as a string, or use a '
-                       "checkpoint's own tokenizer (an instruct model's carries one).")
+      name = f'tokenizer {self.source!r}' if self.source else 'this tokenizer'
+      raise ValueError(f'{name} has no chat template (tokenizer_config.json '
+                       '"chat_template") to render chat messages with; '
+                       "set config.tokenizer (or the agent's agents.NAME.tokenizer) to an "
+                       "instruct model's tokenizer (its HF folder or GGUF file carries one), "
+                       'or pass the prompt as a string.')
     check_messages(messages)
     specials = {k: v for k, v in self.specials.items() if v is not None}
     return self._template.render(messages=[dict(m) for m in messages], tools=None,
@@ -178,7 +185,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:
   # BOS in front of every encoding, by the tokenizer itself: saved with it, so HF and
   # vLLM encode a prompt exactly as training does.
   _add_bos(tok, BOS)
-  return TextTokenizer(tok, alphabet=chars)
+  return TextTokenizer(tok, alphabet=chars, source='char')
 
 
 def per_agent(tokenizers: 'TextTokenizer | Mapping[str, TextTokenizer]',
@@ -202,9 +209,12 @@ def load_tokenizer(path: str) -> TextTokenizer:
     return build_char_tokenizer()
   from flexmarl.models import gguf
   if gguf.is_gguf(path):
-    tokenizer, cfg = gguf.tokenizer_parts(path)
+    try:
+      tokenizer, cfg = gguf.tokenizer_parts(path)
+    except CheckpointFileError as e:  # it names the file; the message names the field
+      raise ConfigError(f'config.tokenizer={path!r}: {e.problem}') from None
     return TextTokenizer(tokenizer, eos=cfg['eos_token'], bos=cfg.get('bos_token'),
-                         pad=cfg.get('pad_token'), hf_config=cfg)
+                         pad=cfg.get('pad_token'), hf_config=cfg, source=path)
   folder, file = (path, os.path.join(path, 'tokenizer.json')) if os.path.isdir(path) else (
       os.path.dirname(path), path)
   if not os.path.exists(file):
@@ -228,7 +238,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
   tokenizer = Tokenizer.from_file(file)
   if cfg.get('add_bos_token') and specials['bos'] is not None:
     _add_bos(tokenizer, specials['bos'])  # what transformers does with add_bos_token
-  return TextTokenizer(tokenizer, **specials, hf_config=cfg, extra_stop_ids=stops)
+  return TextTokenizer(tokenizer, **specials, hf_config=cfg, extra_stop_ids=stops,
+                       source=path)
 
 
 def _add_bos(tokenizer: Tokenizer, bos: str) -> None:

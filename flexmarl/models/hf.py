@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flexmarl.errors import CheckpointFileError
 from flexmarl.models import gguf, lora, transformer
 from flexmarl.models.transformer import ModelConfig
 
@@ -35,7 +36,7 @@ Convert = Callable[[Any], Any]
 
 
 def _fail(hf_dir: str, what: str, fix: str) -> None:
-  raise ValueError(f'model.checkpoint={hf_dir!r}: {what}; {fix}')
+  raise CheckpointFileError(hf_dir, f'{what}; {fix}')
 
 
 def _read_config(hf_dir: str) -> dict:
@@ -69,8 +70,8 @@ def model_config_from_hf(hf_dir: str, dtype: str = 'float32') -> ModelConfig:
   scaling = c.get('rope_scaling') or rope
   if scaling.get('rope_type', scaling.get('type', 'default')) == 'default':
     scaling = {}
-  heads = c['num_attention_heads']
   try:
+    heads = c['num_attention_heads']
     return ModelConfig(
         vocab_size=c['vocab_size'], hidden=c['hidden_size'], layers=c['num_hidden_layers'],
         heads=heads, kv_heads=c.get('num_key_value_heads') or heads,
@@ -79,8 +80,11 @@ def model_config_from_hf(hf_dir: str, dtype: str = 'float32') -> ModelConfig:
         norm_eps=c.get('rms_norm_eps', 1e-6),
         qkv_bias=ARCHITECTURES[arch] or bool(c.get('attention_bias')),
         tie_embeddings=bool(c.get('tie_word_embeddings', False)), dtype=dtype)
+  except KeyError as e:
+    raise CheckpointFileError(hf_dir, f'config.json lacks {e}; the folder is incomplete: save '
+                              'the model again (transformers: save_pretrained).') from None
   except ValueError as e:
-    raise ValueError(f'model.checkpoint={hf_dir!r}: {e}') from None
+    raise CheckpointFileError(hf_dir, str(e)) from None
 
 
 def hf_config(cfg: ModelConfig, tokenizer=None, max_position_embeddings: int = 32768) -> dict:

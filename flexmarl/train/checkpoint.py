@@ -45,6 +45,14 @@ class CheckpointError(RuntimeError):
   """No checkpoint step is intact for every agent; the message says what to do."""
 
 
+def saved_steps(workdir: str, agent: str) -> list[int]:
+  """The steps `agent` has a checkpoint of in `workdir`, read off the folder names without
+  opening a manager (which would create the folder of an agent that has none)."""
+  folder = os.path.join(workdir, 'checkpoints', agent)
+  return sorted(int(name) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+                if name.isdigit())
+
+
 class AgentCheckpointer:
 
   def __init__(self, workdir: str, agent: str, max_to_keep: int = 2):

@@ -17,7 +17,10 @@ functions of (seed, index).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +28,7 @@ import numpy as np
 
 TRAIN_SIZE = 10 ** 9  # indices the training stream draws from (items are made on demand)
 MAX_REDRAWS = 100
+SET_BY_TASK = frozenset({'seed', 'size'})  # dataset config fields the task sets itself
 
 
 @functools.lru_cache(maxsize=64)
@@ -33,28 +37,73 @@ def _dataset(name: str, config: tuple, seed: int, size: int):
   return reasoning_gym.create_dataset(name, seed=seed, size=size, **dict(config))
 
 
+def _defaults(dataset: str) -> dict[str, Any]:
+  """The config fields of `dataset` a user sets, with their defaults."""
+  from reasoning_gym.factory import DATASETS
+  return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+          for f in dataclasses.fields(DATASETS[dataset][1]) if f.name not in SET_BY_TASK}
+
+
+def _check_config(dataset: str, config: Mapping[str, Any], field: str) -> None:
+  """`dataset` is one reasoning-gym has, and `config` names only its config's fields."""
+  from reasoning_gym.factory import DATASETS
+  if dataset not in DATASETS:
+    close = difflib.get_close_matches(dataset, DATASETS, n=3)
+    raise ValueError(f'{field}: unknown reasoning-gym dataset {dataset!r}'
+                     f'{f" (did you mean {close}?)" if close else ""}; name one of its '
+                     f'{len(DATASETS)} datasets (sorted(reasoning_gym.factory.DATASETS) '
+                     f'lists them), e.g. {sorted(DATASETS)[:6]}.')
+  ours = sorted(SET_BY_TASK & set(config))
+  if ours:
+    raise ValueError(f'{field}: reasoning-gym dataset {dataset!r} refuses config '
+                     f'{dict(config)} here: drop {ours}, the task sets them (from the '
+                     'workflow\'s data_seed and held_out).')
+  unknown = sorted(set(config) - set(_defaults(dataset)))
+  if unknown:
+    raise ValueError(f'{field}: reasoning-gym dataset {dataset!r} refuses config '
+                     f'{dict(config)}: it has no field(s) {unknown}; its fields, with their '
+                     f'defaults: {_defaults(dataset)}.')
+
+
 class GymTask:
-  """One reasoning-gym dataset: training draws, a disjoint held-out split, its scorer."""
+  """One reasoning-gym dataset: training draws, a disjoint held-out split, its scorer.
+
+  Every check runs here, when the workflow is built (before anything compiles): the
+  dataset's name, its config (the dataset's own checks, run on one problem) and a
+  held-out split that the dataset has enough distinct problems for."""
 
   def __init__(self, dataset: str, config: Mapping[str, Any] | None = None,
                held_out: int = 64, data_seed: int = 0, field: str = 'workflow'):
+    """`field`: the config section of the dataset's config, named in errors."""
     try:
-      import reasoning_gym
+      import reasoning_gym  # noqa: F401 — only workflows on reasoning-gym tasks need it
     except ImportError:
       raise ValueError(f'{field}: reasoning-gym tasks need the package; '
                        'pip install reasoning-gym.') from None
-    from reasoning_gym.factory import DATASETS
-    if dataset not in DATASETS:
-      raise ValueError(f'{field}: unknown reasoning-gym dataset {dataset!r}; known: '
-                       f'{sorted(DATASETS)[:12]} ... ({len(DATASETS)} in all).')
+    config = dict(config or {})
+    _check_config(dataset, config, field)
+    if isinstance(held_out, bool) or not isinstance(held_out, numbers.Integral) \
+        or held_out < 0:
+      raise ValueError(f'{field}: held_out={held_out!r}: give a whole number >= 0 (0: no '
+                       'held-out split).')
     self.name, self.held_out, self.data_seed = dataset, int(held_out), int(data_seed)
-    self._config = tuple(sorted(dict(config or {}).items()))
+    self._config = tuple(sorted(config.items()))
     try:
       self._split('eval')[0]
-    except (TypeError, ValueError, AssertionError) as e:
-      raise ValueError(f'{field}: reasoning-gym dataset {dataset!r} refuses config '
-                       f'{dict(self._config)}: {e}') from None
-    del reasoning_gym
+    except Exception as e:  # noqa: BLE001 — a config the generator cannot use fails anywhere
+      raise ValueError(f'{field}: reasoning-gym dataset {dataset!r} refuses config {config} '
+                       f'({type(e).__name__}: {e}); change the fields it names (its fields, '
+                       f'with their defaults: {_defaults(dataset)}).') from None
+    n, distinct = self.held_out, len(self._held_out_questions)
+    # n draws of D problems hold n·(1 - (1 - 1/n)^n) distinct ones on average when D = n;
+    # fewer (one repeat spared: a small split may repeat a problem by chance), and the
+    # dataset has fewer distinct problems than the split asks for.
+    if n and distinct + 1 < n * (1 - (1 - 1 / n) ** n):
+      raise ValueError(f'{field}: held_out={n}: reasoning-gym dataset {dataset!r} with config '
+                       f'{config} has fewer distinct problems than that (its {n} held-out '
+                       f'draws hold {distinct}); lower held_out to {distinct // 2} or less, '
+                       'or widen the config (e.g. more digits or terms), leaving problems '
+                       'for training.')
 
   def _split(self, split: str):
     if split == 'eval':  # another dataset seed than training's
