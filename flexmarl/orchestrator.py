@@ -56,9 +56,9 @@ class JournaledRollout:
   count what was consumed so far; `starvation` sees which agents each query reached."""
 
   def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
-               starvation: StarvationWatch):
+               starvation: StarvationWatch, agents: Mapping[str, Agent]):
     self._results, self._journal, self._starvation = results, journal, starvation
-    self._normalize = {n: a.grpo.normalize_std for n, a in spec.agents.items()}
+    self._advantages = {n: a.learner.advantages for n, a in agents.items()}
     self._limit = spec.rollout.max_step_queries
     self.queries = 0
     self.tokens = {n: 0 for n in spec.agents}
@@ -66,7 +66,7 @@ class JournaledRollout:
   def __iter__(self) -> Iterator[dict[str, list[Group]]]:
     for result in self._results:
       self.queries += 1
-      arrival = {n: g for n, g in groups_of(result, self._normalize).items() if g}
+      arrival = {n: g for n, g in groups_of(result, self._advantages).items() if g}
       self._starvation.served({n: min(g.served.call for g in groups)
                                for n, groups in arrival.items()})
       for name, groups in arrival.items():
@@ -114,7 +114,7 @@ class JointOrchestrator:
     results, self._started = self._started or self._open_stream(), None
     for agent in self.agents.values():
       agent.expect_training()
-    rollout = JournaledRollout(results, self.spec, self.journal, self.starvation)
+    rollout = JournaledRollout(results, self.spec, self.journal, self.starvation, self.agents)
     try:
       yield rollout
     finally:

@@ -13,7 +13,7 @@ from experiments import claim_checker
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train
-from flexmarl.train import grpo
+from flexmarl.train import credit, grpo
 from flexmarl.train.spec import GRPOConfig
 from flexmarl.workflows.base import Episode, Query
 from flexmarl.workflows.tasks import partial_credit
@@ -141,7 +141,7 @@ def test_answer_weights_balance_few_skewed_right_answers_only():
 def test_agreeing_groups_are_compared_with_the_agents_mean_reward():
   cfg = GRPOConfig(zero_spread_baseline=1.0)
   rewards = [np.array([0., 0., 0.]), np.array([1., 1., 1.]), np.array([1., 0., 0.])]
-  advantages = [grpo.group_advantages(r, 3) for r in rewards]
+  advantages = [credit.group_advantages(r, 3) for r in rewards]
   out = grpo.baseline_advantages(cfg, advantages, rewards, [1.0, 1.0, 1.0, 0.0])  # mean 0.75
   np.testing.assert_allclose(out[0], [-0.75] * 3)
   np.testing.assert_allclose(out[1], [0.25] * 3)

@@ -8,19 +8,19 @@ import pytest
 
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
-from flexmarl.train import grpo
+from flexmarl.train import credit, grpo
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
 
 @pytest.mark.quick
 def test_group_advantages_by_hand():
-  adv = grpo.group_advantages(np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0]), 3)
+  adv = credit.group_advantages(np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0]), 3)
   # group 1: mean 1/3, std sqrt(2)/3; group 2: mean 5/3, std sqrt(2)/3
   s = np.sqrt(2) / 3
   np.testing.assert_allclose(adv, [(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s,
                                    (-2 / 3) / s, (1 / 3) / s, (1 / 3) / s], rtol=1e-5)
-  np.testing.assert_allclose(grpo.group_advantages(np.array([3.0, 1.0]), 2, False), [1, -1])
-  np.testing.assert_allclose(grpo.group_advantages(np.ones(4), 4), 0.0)
+  np.testing.assert_allclose(credit.group_advantages(np.array([3.0, 1.0]), 2, False), [1, -1])
+  np.testing.assert_allclose(credit.group_advantages(np.ones(4), 4), 0.0)
 
 
 def test_clipped_token_loss_by_hand():
@@ -136,7 +136,7 @@ def test_dr_grpo_constant_normaliser_by_hand():
   cfg = grpo.GRPOConfig(loss_norm='constant', normalize_std=False, max_new_tokens=4)
   assert grpo.loss_divisor(cfg, tokens=7, rows=3) == 12.0
   assert grpo.loss_divisor(grpo.GRPOConfig(max_new_tokens=4), tokens=7, rows=3) == 7.0
-  np.testing.assert_allclose(grpo.group_advantages(np.array([1.0, 0.0, 0.0, 1.0]), 4, False),
+  np.testing.assert_allclose(credit.group_advantages(np.array([1.0, 0.0, 0.0, 1.0]), 4, False),
                              [0.5, -0.5, -0.5, 0.5])
   rows = TrainBatch.from_rows([[1, 2], [3]], [np.array([4]), np.array([5, 6, 7])],
                               [np.zeros(1), np.zeros(3)], np.zeros(2), prompt_len=4,

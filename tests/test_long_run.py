@@ -26,7 +26,7 @@ from flexmarl.rollout.pool import InstancePool
 from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams
 from flexmarl.train import engine as engine_lib
-from flexmarl.train import grpo
+from flexmarl.train import credit, grpo
 from flexmarl.train.state import Transfer
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
@@ -220,7 +220,7 @@ def test_an_agent_skips_the_step_of_a_batch_without_signal_and_still_advances_it
                            [f'q{q}_0_{j}' for j in range(4)], [np.array([4, 7, 2])] * 4,
                            [np.full(3, np.log(0.5), np.float32)] * 4)
       r = np.array(rewards, np.float32)
-      out.append(Group(served, r, grpo.group_advantages(r, 4), np.full(4, correct)))
+      out.append(Group(served, r, credit.group_advantages(r, 4), np.full(4, correct)))
     return out
 
   before = _host(trainer.params)
@@ -252,7 +252,7 @@ def test_agreeing_groups_are_pushed_against_the_last_batchs_mean_which_a_checkpo
                          [f'q{q}_0_{j}' for j in range(4)], [np.array([4, 7, 2 + q])] * 4,
                          [np.full(3, np.log(0.5), np.float32)] * 4)
     r = np.array(rewards, np.float32)
-    return Group(served, r, grpo.group_advantages(r, 4), r)
+    return Group(served, r, credit.group_advantages(r, 4), r)
 
   agent, grpo_only = agent_with(1.0), agent_with(0.0)
   for step, rewards in enumerate(([1.0] * 4, [0.0] * 4)):  # all right, then all wrong
@@ -266,7 +266,7 @@ def test_agreeing_groups_are_pushed_against_the_last_batchs_mean_which_a_checkpo
   assert moved > 0.5 * LR  # the agreeing wrong group pushed against the mean 0.75
   resumed = agent_with(1.0)
   resumed.restore(agent.train_state(), agent.counters())
-  assert list(resumed.rewards) == list(agent.rewards) == [0.0] * 4 + [1.0, 0.0, 1.0, 0.0]
+  assert list(resumed.learner.rewards) == list(agent.learner.rewards) == [0.0] * 4 + [1.0, 0.0, 1.0, 0.0]
 
 
 def test_a_run_from_before_these_fields_resumes_with_them():

@@ -12,7 +12,7 @@ from flax import nnx
 from flexmarl.models import sharding, transformer
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.train import grpo
+from flexmarl.train import credit, grpo
 from flexmarl.train.loss import loss_sum, response_logprobs
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 
@@ -186,7 +186,7 @@ def test_advantages_trained_and_stored_are_group_advantages(tmp_path, monkeypatc
   expected = []
   for members in groups.values():
     rewards = np.array([r.reward for r in members])
-    adv = grpo.group_advantages(rewards, len(rewards), True)
+    adv = credit.group_advantages(rewards, len(rewards), True)
     np.testing.assert_allclose([r.advantage for r in members], adv, rtol=1e-5, atol=1e-6)
     expected.append(adv)
   assert any(np.ptp(g) > 0 for g in expected), 'no group had a reward spread'

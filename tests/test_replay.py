@@ -114,7 +114,7 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   for agent in (imitating, grpo_only):  # an update where `n` was right on another prompt
     seen = _groups(agent, other, N, 1.0, 'n')
     agent.update(seen, [seen])()
-  assert list(imitating.best_answers) == ['n'] and not grpo_only.best_answers
+  assert list(imitating.learner.best_answers) == ['n'] and not grpo_only.learner.best_answers
   before = _logprob(imitating, stuck, N)
   assert before == _logprob(grpo_only, stuck, N)  # twins: both skipped the solved batch
   wrong = _groups(imitating, stuck, Y, 0.0, 'n')
@@ -128,12 +128,12 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   assert _logprob(grpo_only, stuck, N) == before
   restored = _agent(1.0)
   restored.restore(imitating.train_state(), imitating.counters())
-  assert {e: (b.tokens.tolist(), b.right) for e, b in restored.best_answers.items()} == {
+  assert {e: (b.tokens.tolist(), b.right) for e, b in restored.learner.best_answers.items()} == {
       'n': (N.tolist(), True)}
   # A checkpoint from before wrong answers were kept holds right ones under another key.
   meta = dict(imitating.counters(), right_answers=[['n', N.tolist()]])
   del meta['best_answers']
   older = _agent(1.0)
   older.restore(imitating.train_state(), meta)
-  assert {e: (b.tokens.tolist(), b.right) for e, b in older.best_answers.items()} == {
+  assert {e: (b.tokens.tolist(), b.right) for e, b in older.learner.best_answers.items()} == {
       'n': (N.tolist(), True)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,16 +35,17 @@ class Group:
     return len(self.rewards)
 
 
-def groups_of(result: EpisodeResult, normalize_std: Mapping[str, bool]
+def groups_of(result: EpisodeResult,
+              advantages: Mapping[str, Callable[[np.ndarray], np.ndarray]]
               ) -> dict[str, list[Group]]:
-  """Per agent (the keys of `normalize_std`), the groups of one query in call order,
-  with their GRPO advantages."""
-  out: dict[str, list[Group]] = {a: [] for a in normalize_std}
+  """Per agent (the keys of `advantages`), the groups of one query in call order, with
+  the advantages its function (its learner's, `Learner.advantages`) gives their rewards."""
+  out: dict[str, list[Group]] = {a: [] for a in advantages}
   for served in result.served:
     rewards = np.array([result.episode.rewards[s] for s in served.sample_ids], np.float32)
     correct = np.array([float(result.episode.correct[s]) if s in result.episode.correct
                         else np.nan for s in served.sample_ids], np.float32)
-    adv = grpo.group_advantages(rewards, len(rewards), normalize_std[served.agent])
+    adv = advantages[served.agent](rewards)
     expected = {result.episode.expected[s] for s in served.sample_ids
                 if s in result.episode.expected}
     if len(expected) > 1:

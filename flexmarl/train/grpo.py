@@ -265,16 +265,6 @@ def baseline_advantages(cfg: GRPOConfig, advantages: Sequence[np.ndarray],
           for a, r in zip(advantages, rewards)]
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
-                     eps: float = 1e-6) -> np.ndarray:
-  """(r - mean(group)) [/ (std(group) + eps)] for rewards laid out group after group."""
-  r = np.asarray(rewards, np.float64).reshape(-1, group_size)
-  adv = r - r.mean(axis=1, keepdims=True)
-  if normalize_std:
-    adv = adv / (r.std(axis=1, keepdims=True) + eps)
-  return adv.reshape(-1).astype(np.float32)
-
-
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0
                    ) -> tuple[jax.Array, jax.Array]:
   """Logprob of each target token and the entropy of each position's distribution."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 
+from flexmarl.train.credit import ESTIMATORS
 from flexmarl.validate import (DERIVED, config_of, fail, in_range, number, one_of,
                                read_section, whole_number)
 
@@ -50,6 +51,8 @@ class OptimizerConfig:
 class GRPOConfig:
   """The GRPO loss (config `agents.NAME.grpo`; see flexmarl.train.grpo)."""
 
+  # The advantage estimator, by its name in train/credit.py's registry.
+  advantage: str = 'grpo'
   clip_eps: float = 0.2
   clip_eps_low: float | None = None  # ratio >= 1 - clip_eps_low (None: clip_eps) ...
   clip_eps_high: float | None = None  # ... and <= 1 + clip_eps_high (DAPO: 0.28).
@@ -144,6 +147,7 @@ class GRPOConfig:
     in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
+    one_of(f'{field}.advantage', g.advantage, tuple(ESTIMATORS))
     return g
 
 
