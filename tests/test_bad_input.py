@@ -175,9 +175,9 @@ VLLM_CASES = {
 }
 
 
+@pytest.mark.extra('vllm')
 @pytest.mark.parametrize('case', sorted(VLLM_CASES))
 def test_what_vllm_would_refuse_is_refused_before_the_workdir(tmp_path, case):
-  pytest.importorskip('vllm', reason='vLLM is not installed (bash launchers/venv.sh)')
   edit, needles = VLLM_CASES[case]
   c = small_config()
   c.rollout.backend = 'vllm'

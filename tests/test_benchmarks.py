@@ -1,7 +1,6 @@
 """Benchmarks that check what they measure keep running as the code under them changes
 (each in its quick mode, as a user starts it)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,8 +31,7 @@ def test_long_run_measures_its_runs_while_the_store_writes():
   assert all(r['steps'] == 12 and len(r['samples']) == 12 for r in result)
 
 
-@pytest.mark.skipif(importlib.util.find_spec('vllm') is None,
-                    reason='vLLM is not installed (pip install -r requirements-vllm.txt)')
+@pytest.mark.extra('vllm')
 def test_vllm_in_run_replays_the_samples_a_step_served():
   # It checks that replaying a step's batches with the weights they were served with
   # draws the very tokens the step drew (a step starts the next one's rollout early).

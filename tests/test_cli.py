@@ -147,7 +147,6 @@ def test_bad_config_files_and_flags_say_the_fix(tmp_path, config, needles):
 def test_export_prints_no_orbax_info_lines(tmp_path):
   """`python -m flexmarl.export` prints what it wrote, not Orbax's INFO lines about every
   restore step; `--verbosity=0` brings them back."""
-  pytest.importorskip('safetensors', reason='export writes safetensors (the hf extra)')
   import jax
   import ml_collections
 

@@ -43,6 +43,7 @@ def as_on_a_gpu(monkeypatch):
   monkeypatch.setattr(vllm_check, 'cpu_head_sizes', lambda: None)
 
 
+@pytest.mark.extra('vllm')  # specs with rollout.backend=vllm check the install
 def test_shares_that_do_not_add_up_are_refused_on_a_gpu():
   bad = gm.plan(2, {'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.75'}, 0.5)
   assert bad.env() == {}  # nothing set; CPU runs ignore the shares, GPU runs check them
@@ -80,6 +81,7 @@ def _spec(devices, **rollout):
                          build_workflow(c.workflow).agent_names())
 
 
+@pytest.mark.extra('vllm')  # specs with rollout.backend=vllm check the install
 def test_needs_follow_the_placement():
   own = _spec(4)  # fitted: own meshes, instances on them
   held, engines = gm.needs(own)
@@ -109,6 +111,7 @@ def test_needs_follow_the_placement():
       'weights' in k for k in held[0])
 
 
+@pytest.mark.extra('vllm')  # specs with rollout.backend=vllm check the install
 def test_settle_sets_the_vllm_share():
   spec = _spec(1, backend='vllm')
   shares = gm.plan(4, {})

@@ -13,7 +13,6 @@ from flax import nnx
 
 torch = pytest.importorskip('torch', reason='HF parity tests need torch (requirements-vllm.txt)')
 transformers = pytest.importorskip('transformers', reason='HF parity tests need transformers')
-pytest.importorskip('safetensors', reason='HF parity tests need safetensors')
 
 from flexmarl import config as config_lib  # noqa: E402
 from flexmarl.export import export  # noqa: E402

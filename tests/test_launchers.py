@@ -2,12 +2,14 @@
 local.sh makes the base install (requirements.txt, FlexMARL), test.sh adds the test, vllm
 and real extras; each finds what the other installed, a step whose requirement files
 changed is done again with the steps after it, and an extra that cannot be installed is
-named in one line while the tests still run. pip and python are stand-ins that log calls."""
+named in one line while the tests still run, each test that needs it listed as not run with
+the fix (tests/conftest.py). pip and python are stand-ins that log calls."""
 
 import os
 import shutil
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +141,45 @@ def test_a_gpu_machine_gets_the_gpu_vllm_extra(tmp_path):
   out, calls = _run(repo, bin_dir, 'venv.sh', 'vllm', FLEXMARL_VLLM='gpu')
   assert out.returncode == 0, out.stderr
   assert calls == ['python3 -m venv .venv', *BASE, f'pip install -q {EXTRA} -r requirements-vllm-gpu.txt']
+
+
+# Stand-ins for the extras, appended to a copy of conftest.py: 'real' needs a distribution
+# no one has, 'vllm' one that every test run has.
+STAND_INS = '''
+EXTRAS['real'] = ('requirements-real.txt', ['no-such-distribution'], ())
+EXTRAS['vllm'] = ('requirements-vllm.txt', ['pytest'], ())
+'''
+MARKED = '''
+import pytest
+
+@pytest.mark.extra('real')
+def test_needs_the_missing_extra():
+  raise AssertionError('ran without its extra')
+
+@pytest.mark.extra('vllm')
+def test_needs_the_installed_extra():
+  pass
+'''
+
+
+def _pytest(folder):
+  return subprocess.run([sys.executable, '-m', 'pytest', '-q', '--strict-markers', '-p',
+                         'no:cacheprovider', 'test_marked.py'], cwd=folder, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_a_test_marked_by_a_missing_extra_is_skipped_and_listed_with_the_fix(tmp_path):
+  with open(os.path.join(ROOT, 'tests', 'conftest.py'), encoding='utf-8') as f:
+    (tmp_path / 'conftest.py').write_text(f.read() + STAND_INS)
+  (tmp_path / 'test_marked.py').write_text(MARKED)
+  out = _pytest(tmp_path)
+  assert out.returncode == 0, out.stdout + out.stderr
+  lines = out.stdout.splitlines()
+  said = next(i for i, line in enumerate(lines) if line.startswith('the real extra'))
+  assert lines[said].startswith('the real extra (requirements-real.txt) is not installed; '
+                                '1 not run. Fix: '), out.stdout
+  assert lines[said + 1] == '  test_marked.py::test_needs_the_missing_extra', out.stdout
+  assert '1 passed, 1 skipped' in out.stdout and 'the vllm extra' not in out.stdout
+  (tmp_path / 'test_marked.py').write_text(MARKED.replace("extra('vllm')", "extra('vlm')"))
+  out = _pytest(tmp_path)
+  assert out.returncode != 0 and "extra('vlm') names no extra" in out.stdout + out.stderr

@@ -247,8 +247,8 @@ def test_export_writes_merged_weights_and_a_peft_adapter(lora_run, tmp_path):
   assert changed > 0 and len(adapter) == 2 * 7 * cfg.layers
 
 
+@pytest.mark.extra('vllm')  # peft, torch, transformers
 def test_peft_loads_the_adapter(lora_run, tmp_path):
-  pytest.importorskip('peft', reason='peft is not installed in this environment')
   import torch
   import transformers
   from peft import PeftModel

@@ -211,10 +211,10 @@ def test_bad_adapter_groups_are_refused(change, needles):
     assert needle in str(err.value), str(err.value)
 
 
+@pytest.mark.extra('vllm')
 def test_vllm_serves_a_group_from_the_first_agents_engines():
   """Under vLLM a group's agents share their first agent's engines: the run plans one
   engine per instance of the group, not one per agent."""
-  pytest.importorskip('vllm', reason='the vLLM backend is not installed')
   from flexmarl.config import vllm_demand
   c = _three(2, shared=True)
   c.rollout.backend = 'vllm'

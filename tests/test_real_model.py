@@ -35,8 +35,8 @@ MESSAGES = [
 @pytest.fixture(scope='module')
 def hf_gguf():
   """transformers' own load of the same GGUF file: (tokenizer, model)."""
-  transformers = pytest.importorskip('transformers')
-  torch = pytest.importorskip('torch')
+  import torch
+  import transformers
   folder, name = os.path.split(gguf.resolve(MODEL))
   tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
@@ -49,6 +49,7 @@ def tokenizer():
   return load_tokenizer(MODEL)
 
 
+@pytest.mark.extra('vllm')  # transformers
 def test_chat_template_ids_equal_transformers(hf_gguf, tokenizer):
   tok, _ = hf_gguf
   for messages in MESSAGES:
@@ -67,8 +68,9 @@ def test_chat_template_ids_equal_transformers(hf_gguf, tokenizer):
   assert shipped.encode_prompt(MESSAGES[-1]) == tokenizer.encode_prompt(MESSAGES[-1])
 
 
+@pytest.mark.extra('vllm')  # transformers
 def test_gguf_logits_equal_transformers(hf_gguf, tokenizer):
-  torch = pytest.importorskip('torch')
+  import torch
   _, model = hf_gguf
   cfg = hf.model_config_from_hf(MODEL)
   assert (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size) == (

@@ -103,8 +103,8 @@ def test_transformers_answers_as_the_sampler_did(exported):
     assert answer[-1] == TOK.eos_id, (prompt, answer)  # the policy learned to stop
 
 
+@pytest.mark.extra('vllm')
 def test_vllm_answers_as_the_sampler_did(exported, tmp_path):
-  pytest.importorskip('vllm', reason='vLLM serving needs the vLLM extra')
   for key, value in {'VLLM_ENABLE_V1_MULTIPROCESSING': '0', 'TMPDIR': str(tmp_path),
                      'VLLM_CACHE_ROOT': str(tmp_path / 'vllm'),
                      'TORCHINDUCTOR_CACHE_DIR': str(tmp_path / 'inductor')}.items():

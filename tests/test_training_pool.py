@@ -191,7 +191,6 @@ def test_pool_agents_start_from_their_checkpoint(tmp_path):
   """In a training pool, an agent with `model.checkpoint` starts from its weights (the
   trainer's state in host memory, its KL reference and its rollout's copy) and trains
   from there, next to an agent initialised at random."""
-  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
   from experiments import make_tiny_hf
   from flexmarl.models import hf, sharding, transformer
   from flexmarl.run import build
@@ -217,7 +216,6 @@ def test_lora_agents_of_a_checkpoint_take_turns_over_one_base(tmp_path):
   """The common case of one accelerator: LoRA agents over a pretrained base share a
   training pool of one device, which holds the base once (beside the rollout's use of
   it); they train as they do on devices of their own."""
-  pytest.importorskip('safetensors', reason='checkpoints are safetensors (the hf extra)')
   from experiments import make_tiny_hf
   from flexmarl.run import build
   folder = make_tiny_hf.make(str(tmp_path / 'tiny_hf'))
