@@ -74,7 +74,7 @@ class Trainer(Protocol):
 
   def reset(self) -> None:
     """Back to the starting weights with a fresh optimizer (an agent collapsed onto one
-    answer, `train.grpo.collapsed`)."""
+    answer, `train.collapse.collapsed`)."""
 
 
 class Checkpointer(Protocol):

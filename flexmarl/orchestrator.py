@@ -106,7 +106,7 @@ class JointOrchestrator:
     return self.workflow.make_query(np.random.default_rng([self.spec.seed, index]), f'q{index}')
 
   @contextlib.contextmanager
-  def rollout(self) -> Iterator[Rollout]:
+  def rollout(self) -> Iterator[JournaledRollout]:
     """Stream queries from the next unconsumed one (see `Rollout`), or go on with the
     stream `start_rollout` began; every agent expects to train (`Agent.expect_training`).
     Leaving the block abandons the queries still in flight: they are served again next

@@ -1,6 +1,6 @@
-"""Collapse onto one answer, told and undone: `grpo.collapsed` sees a batch whose sampled
+"""Collapse onto one answer, told and undone: `collapse.collapsed` sees a batch whose sampled
 answers are nearly all one answer where the right answers differ; after `collapse_after`
-such batches in a row the agent goes back to its starting weights (`grpo.resets_now`,
+such batches in a row the agent goes back to its starting weights (`collapse.resets_now`,
 at most `collapse_resets` times) and the run says so."""
 
 import math
@@ -13,7 +13,7 @@ from experiments import claim_checker
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train
-from flexmarl.train import credit, grpo
+from flexmarl.train import collapse, credit, grpo
 from flexmarl.train.spec import GRPOConfig
 from flexmarl.workflows.base import Episode, Query
 from flexmarl.workflows.tasks import partial_credit
@@ -25,33 +25,52 @@ Y, N = np.array([5, 1]), np.array([6, 1])  # two answers' token ids
 def test_collapsed_is_one_answer_where_the_right_ones_differ():
   cfg = GRPOConfig()
   assert (cfg.collapse_share, cfg.collapse_after, cfg.collapse_resets) == (0.9, 3, 2)
-  assert grpo.mode_share([Y, Y, N, Y]) == 0.75 and math.isnan(grpo.mode_share([]))
+  assert collapse.mode_share([Y, Y, N, Y]) == 0.75 and math.isnan(collapse.mode_share([]))
   mixed = ['y'] * 15 + ['n'] * 5  # right answers: 75% y
   judged = lambda answers: [float(a is Y) if e == 'y' else float(a is N)
                             for a, e in zip(answers, mixed)]
   all_y = [Y] * 20
-  assert grpo.collapsed(cfg, all_y, mixed, judged(all_y))
+  assert collapse.collapsed(cfg, all_y, mixed, judged(all_y))
   most = [N] * 2 + [Y] * 18  # 90% alike, "y" on every row where "n" is right
-  assert grpo.collapsed(cfg, most, mixed, judged(most))
+  assert collapse.collapsed(cfg, most, mixed, judged(most))
   differ = [Y] * 17 + [N] * 3  # 85%: still differing
-  assert not grpo.collapsed(cfg, differ, mixed, judged(differ))
+  assert not collapse.collapsed(cfg, differ, mixed, judged(differ))
   # 90% "y", but "n" on 2 of the 5 rows where it is right: a fair judge, not a constant.
   fair = [Y] * 18 + [N] * 2
-  assert not grpo.collapsed(cfg, fair, mixed, judged(fair))
+  assert not collapse.collapsed(cfg, fair, mixed, judged(fair))
   wrong = [np.array([7, 1])] * 20  # one answer, right nowhere
-  assert grpo.collapsed(cfg, wrong, mixed, [0.0] * 20)
-  assert not grpo.collapsed(cfg, all_y, ['y'] * 20, [1.0] * 20)  # one right answer: solved
-  assert not grpo.collapsed(cfg, all_y, ['y'] * 19 + ['n'], [1.0] * 19 + [0.0])  # 95% y
-  assert not grpo.collapsed(cfg, all_y, [None] * 20, [math.nan] * 20)  # no expected answers
-  assert not grpo.collapsed(GRPOConfig(collapse_after=0), all_y, mixed, judged(all_y))
+  assert collapse.collapsed(cfg, wrong, mixed, [0.0] * 20)
+  assert not collapse.collapsed(cfg, all_y, ['y'] * 20, [1.0] * 20)  # one right answer: solved
+  assert not collapse.collapsed(cfg, all_y, ['y'] * 19 + ['n'], [1.0] * 19 + [0.0])  # 95% y
+  assert not collapse.collapsed(cfg, all_y, [None] * 20, [math.nan] * 20)  # no expected answers
+  assert not collapse.collapsed(GRPOConfig(collapse_after=0), all_y, mixed, judged(all_y))
+
+
+@pytest.mark.quick
+def test_without_expected_answers_one_answer_scored_differently_is_a_collapse():
+  cfg = GRPOConfig()
+  groups = lambda answers: [answers[i:i + 4] for i in range(0, 20, 4)]  # 5 prompts × 4
+  constant = groups([Y] * 20)
+  varied = [np.full(4, r, np.float32) for r in (1.0, 1.0, 0.5, 1.0, 0.5)]  # right on 3 of 5
+  unknown = [np.full(4, np.nan)] * 5
+  assert collapse.collapsed_blind(cfg, constant, varied, unknown)
+  # Scored the same everywhere: a constant that suits every prompt, unless it is wrong.
+  same = [np.full(4, 0.125, np.float32)] * 5
+  assert not collapse.collapsed_blind(cfg, constant, same, unknown)
+  assert collapse.collapsed_blind(cfg, constant, same, [np.zeros(4)] * 5)  # wrong everywhere
+  # A group whose rewards differ still has a signal; fewer alike than collapse_share.
+  spread = varied[:4] + [np.array([1.0, 0.5, 0.5, 0.5], np.float32)]
+  assert not collapse.collapsed_blind(cfg, constant, spread, unknown)
+  assert not collapse.collapsed_blind(cfg, groups([Y] * 17 + [N] * 3), varied, unknown)
+  assert not collapse.collapsed_blind(GRPOConfig(collapse_after=0), constant, varied, unknown)
 
 
 def test_a_reset_comes_at_the_collapse_after_th_batch_at_most_collapse_resets_times():
   cfg = GRPOConfig()
-  assert [grpo.resets_now(cfg, run, 0) for run in range(6)] == [0, 0, 0, 1, 0, 0]
-  assert grpo.resets_now(cfg, 3, 1) and not grpo.resets_now(cfg, 3, 2)
-  assert not grpo.resets_now(GRPOConfig(collapse_resets=0), 3, 0)
-  assert not grpo.resets_now(GRPOConfig(collapse_after=0), 0, 0)
+  assert [collapse.resets_now(cfg, run, 0) for run in range(6)] == [0, 0, 0, 1, 0, 0]
+  assert collapse.resets_now(cfg, 3, 1) and not collapse.resets_now(cfg, 3, 2)
+  assert not collapse.resets_now(GRPOConfig(collapse_resets=0), 3, 0)
+  assert not collapse.resets_now(GRPOConfig(collapse_after=0), 0, 0)
 
 
 def test_the_watch_says_once_when_an_agent_collapses_and_whether_it_was_reset():
@@ -75,7 +94,11 @@ class ForcedDigitJudge:
   """`d?` → `y` for digits below 7, else `n` (a constant `y` scores 0.7). The first
   FORCED_STEPS steps' queries pay `y` whatever the digit and give no expected answer
   (so nothing is counted there): the judge is driven onto one answer. From scratch, on
-  the defaults, it learns this task (balanced accuracy 1.0 by update 60, RESULTS.md)."""
+  the defaults, it learns this task (balanced accuracy 1.0 by update 60, RESULTS.md).
+  `names_answers=False`: it never gives an expected answer (correctness it still gives)."""
+
+  def __init__(self, names_answers: bool = True):
+    self.names_answers = names_answers
 
   def agent_names(self):
     return ['checker']
@@ -87,12 +110,14 @@ class ForcedDigitJudge:
   async def run(self, query, agents):
     episode, forced = Episode(), int(query.query_id[1:]) < FORCED_STEPS * QUERIES_PER_STEP
     for c in await agents['checker'].generate(query.prompt):
+      named = query.answer if self.names_answers and not forced else None
       episode.score(c, partial_credit(c.text, 'y' if forced else query.answer),
-                    correct=c.text == query.answer, expected=None if forced else query.answer)
+                    correct=c.text == query.answer, expected=named)
     return episode
 
 
-def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
+@pytest.mark.parametrize('names_answers', [True, False], ids=['expected', 'no_expected'])
+def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path, names_answers):
   """Driven onto `y` (entropy below 0.05 nats/token), then the real task, where `y` is
   right 7 times in 10: neither stuck (mostly right) nor without reward, GRPO alone keeps
   it there (RESULTS.md). On the defaults the collapse is seen after 3 batches, the agent
@@ -102,7 +127,7 @@ def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
   config = claim_checker.get_config()
   config.steps = config.checkpoint_every = STEPS
   logged = []
-  train(config, str(tmp_path), workflow=ForcedDigitJudge(), log=logged.append)
+  train(config, str(tmp_path), workflow=ForcedDigitJudge(names_answers), log=logged.append)
   lines = [l for l in read_metrics(os.path.join(tmp_path, 'metrics.jsonl'))
            if l['agent'] == 'checker' and l.get('updated')]
   forced = [l for l in lines if l['step'] <= FORCED_STEPS]
@@ -113,10 +138,12 @@ def test_a_forced_collapse_comes_back_on_the_defaults(tmp_path):
   assert len(said) == 1 and 'reset it to its starting weights' in said[0]
   after = [l for l in lines if resets[0] < l['step'] <= resets[0] + 70]
   assert after[0]['entropy'] > 1.0
-  balanced = np.nan_to_num([l.get('balanced_above_constant', math.nan) for l in after])
-  accuracy = np.array([l['accuracy'] for l in after])
   mean5 = lambda x: np.convolve(x, np.ones(5) / 5, 'valid')
-  assert mean5(balanced).max() >= 0.3 and mean5(accuracy).max() > 0.7
+  accuracy = np.array([l['accuracy'] for l in after])
+  assert mean5(accuracy).max() > 0.7
+  if names_answers:  # the balanced accuracy needs expected answers
+    balanced = np.nan_to_num([l.get('balanced_above_constant', math.nan) for l in after])
+    assert mean5(balanced).max() >= 0.3
 
 
 def test_answer_weights_balance_few_skewed_right_answers_only():

@@ -332,7 +332,7 @@ def test_bf16_moves_the_first_batch_loss_within_its_bound(tokenizer, variant):
   fp32 logprobs are the sampler's (behaviour). The GRPO loss of an on-policy batch sums
   to about 0 whatever the dtype (advantages are centred); what bf16 changes is each
   token's term, the weight of its gradient: that is bounded, with the answers' NLL."""
-  from flexmarl.train import grpo
+  from flexmarl.train import credit, grpo
   from flexmarl.train.spec import GRPOConfig
   prompt = tokenizer.encode_prompt(MESSAGES[0])
   answers = ['12', '13', '7 + 5 = 12', 'The answer is 12.']
@@ -342,7 +342,7 @@ def test_bf16_moves_the_first_batch_loss_within_its_bound(tokenizer, variant):
   x = np.array([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
   valid = np.array([[i < len(r) for i in range(width)] for r in rows])
   targets, mask = x[:, 1:], valid[:, 1:] & (np.arange(1, width) >= len(prompt))[None]
-  advantages = jnp.asarray(grpo.group_advantages(np.array([1.0, 0.0, 0.8, 0.8], np.float32),
+  advantages = jnp.asarray(credit.group_advantages(np.array([1.0, 0.0, 0.8, 0.8], np.float32),
                                                  4))
   out = {}
   for name, model in (('float32', dict(dtype='float32')),

@@ -9,8 +9,8 @@ When an agent that had learned goes wrong again, its entropy bonus, which follow
 error (`flexmarl.train.grpo.entropy_weights`), rises with it: the framework is pushing
 it to explore again, and the watch says so, once per rise.
 
-An agent collapsed onto one answer (`flexmarl.train.grpo.collapsed`) gets a line of its
-own, once per collapse, which says whether it was reset (`grpo.resets_now`).
+An agent collapsed onto one answer (`flexmarl.train.collapse`) gets a line of its
+own, once per collapse, which says whether it was reset (`collapse.resets_now`).
 """
 
 from __future__ import annotations

@@ -38,13 +38,12 @@ Options from the field, all per agent:
 - Self-imitation (`self_imitation`, `train.replay`): a group whose samples are all wrong
   has its last sample replaced by the agent's own best answer so far for the same
   expected answer.
-- An agent collapsed onto one answer (`collapsed`, `collapse_share`, `collapse_after`)
+- An agent collapsed onto one answer (train/collapse.py: `collapse_share`, `collapse_after`)
   goes back to its starting weights (`resets_now`, at most `collapse_resets` times).
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -151,57 +150,6 @@ def takes_step(cfg: GRPOConfig, advantages: Sequence[np.ndarray], stuck_run: int
   if not cfg.skip_without_signal or not all(np.all(np.asarray(a) == 0) for a in advantages):
     return True
   return bool(cfg.unstick_after) and stuck_run >= cfg.unstick_after
-
-
-def mode_share(responses: Sequence[np.ndarray]) -> float:
-  """The share of the responses (token ids) that equal the most common one; NaN for none."""
-  counts = collections.Counter(tuple(np.asarray(r).tolist()) for r in responses)
-  return max(counts.values()) / len(responses) if responses else float('nan')
-
-
-def collapsed(cfg: GRPOConfig, responses: Sequence[np.ndarray],
-              expected: Sequence[str | None], correct: Sequence[float]) -> bool:
-  """Whether a global batch shows a policy collapsed onto one answer: at least
-  `collapse_share` of its sampled responses are one and the same, fewer than that share
-  of its rows have one and the same right answer (`expected`, per row; rows without one
-  are not counted, and a batch without any is never collapsed), and that response is
-  given on at least `collapse_share` of the rows where it is wrong (those whose right
-  answer is not one it was right on, per `correct`, 1.0 / 0.0 / NaN).
-
-  This is what neither the advantages nor the error rate tell: a planner that gives
-  one plan to every query and scores what that plan scores (0.5, say) still has groups
-  whose rewards differ (other agents' noise), and a yes/no judge that always says
-  "y" is right more often than not; both are stuck on a constant all the same. The last
-  condition tells a constant from a fair judge that says "y" to 92% of a batch whose
-  claims are 85% right (measured: such a judge, learning, was reset by the first two)."""
-  known = [e for e in expected if e is not None]
-  if not cfg.collapse_after or not known:
-    return False
-  right = collections.Counter(known).most_common(1)[0][1] / len(known)
-  if not mode_share(responses) >= cfg.collapse_share > right:
-    return False
-  answers = [tuple(np.asarray(r).tolist()) for r in responses]
-  mode = collections.Counter(answers).most_common(1)[0][0]
-  right_on = {e for a, e, c in zip(answers, expected, correct) if a == mode and c == 1.0}
-  wrong_rows = [a == mode for a, e in zip(answers, expected)
-                if e is not None and e not in right_on]
-  return bool(wrong_rows) and float(np.mean(wrong_rows)) >= cfg.collapse_share
-
-
-def resets_now(cfg: GRPOConfig, collapse_run: int, resets: int) -> bool:
-  """Whether an agent `collapsed` for `collapse_run` batches in a row, reset `resets`
-  times so far, goes back to its starting weights now: at the `collapse_after`-th such
-  batch, at most `collapse_resets` times a run.
-
-  A policy collapsed onto one answer never samples the others, so no reward ranks them;
-  measured on a yes/no judge driven onto "y" (RESULTS.md): an entropy bonus up to 32×
-  and a bonus-only step with fresh Adam moments did not bring "n" back (large ones
-  spread it over every token, and inflated Adam's second moments then froze it), nor did
-  halfway back to the start (shrink and perturb); the start did, where the task is
-  learnable from it (the resets of Nikishin et al., 2022, "The Primacy Bias in Deep
-  RL", here triggered by the collapse instead of a schedule)."""
-  return (bool(cfg.collapse_after) and collapse_run == cfg.collapse_after
-          and resets < cfg.collapse_resets)
 
 
 ANSWER_WINDOW = 1000  # calls whose right answers `answer_weights` balances

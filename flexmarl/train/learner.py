@@ -8,7 +8,7 @@ weights. Its Learner decides what is trained:
   (`grpo.baseline_advantages`, `grpo.answer_weights`) and the agent's best answers
   replayed into all-wrong groups (train/replay.py);
 - `update`: whether a global batch takes an optimizer step and whether the agent goes
-  back to its starting weights (`grpo.takes_step`, `grpo.collapsed`, `grpo.resets_now`).
+  back to its starting weights (`grpo.takes_step`, train/collapse.py).
 The decisions are grpo.py's pure functions; the Learner holds the runs, windows and
 memories they read, and saves them itself (`state_dict`, `load`: a checkpoint's meta).
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flexmarl.data.groups import Group
-from flexmarl.train import grpo, replay
+from flexmarl.train import collapse, grpo, replay
 from flexmarl.train.credit import ESTIMATORS
 from flexmarl.train.spec import GRPOConfig
 
@@ -55,8 +55,8 @@ class Learner:
     self.cfg = cfg
     self._estimate = ESTIMATORS[cfg.advantage]
     self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
-    self.collapse_run = 0  # ... and `grpo.collapsed`
-    self.resets = 0  # times reset to the starting weights (`grpo.resets_now`)
+    self.collapse_run = 0  # ... and `collapse.collapsed`
+    self.resets = 0  # times reset to the starting weights (`collapse.resets_now`)
     # The right answers of its last calls, which `grpo.answer_weights` balances.
     self.answers: collections.deque = collections.deque(maxlen=grpo.ANSWER_WINDOW)
     # The rewards of its last batch, whose mean `grpo.baseline_advantages` takes.
@@ -113,16 +113,21 @@ class Learner:
     `micro_batch` already), and move the state on past it.
 
     A batch without advantage signal, and without rows replayed into it, takes no
-    optimizer step (`grpo.takes_step`); an agent `grpo.collapsed` onto one answer for
+    optimizer step (`grpo.takes_step`); an agent `collapse.collapsed` onto one answer
+    (`collapse.collapsed_blind` where the workflow names no right answer) for
     `collapse_after` batches is reset to its starting weights after the step
-    (`grpo.resets_now`)."""
+    (`collapse.resets_now`)."""
     cfg = self.cfg
     advantages = [g.advantages for g in batch]
     stuck = grpo.stuck(cfg, advantages, [g.correct for g in batch])
     self.stuck_run = self.stuck_run + 1 if stuck else 0
-    collapsed = grpo.collapsed(cfg, [t for g in batch for t in g.served.tokens],
-                               [g.expected for g in batch for _ in range(g.size)],
-                               [c for g in batch for c in g.correct])
+    if any(g.expected is not None for g in batch):
+      collapsed = collapse.collapsed(cfg, [t for g in batch for t in g.served.tokens],
+                                 [g.expected for g in batch for _ in range(g.size)],
+                                 [c for g in batch for c in g.correct])
+    else:  # the workflow named no right answer: what the batch itself shows
+      collapsed = collapse.collapsed_blind(cfg, [g.served.tokens for g in batch],
+                                       [g.rewards for g in batch], [g.correct for g in batch])
     self.collapse_run = self.collapse_run + 1 if collapsed else 0
     replayed, self._replayed = self._replayed, 0
     takes_step = replayed > 0 or grpo.takes_step(cfg, advantages, self.stuck_run)
@@ -133,7 +138,7 @@ class Learner:
     self._best_at_update = self.best_answers.copy()
     if cfg.zero_spread_baseline:
       self.rewards.extend(float(r) for g in batch for r in g.rewards)
-    reset = grpo.resets_now(cfg, self.collapse_run, self.resets)
+    reset = collapse.resets_now(cfg, self.collapse_run, self.resets)
     if reset:
       self.collapse_run, self.resets = 0, self.resets + 1
     return Plan(takes_step, reset, dict(stats, collapse_reset=int(reset), resets=self.resets))

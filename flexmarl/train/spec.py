@@ -74,7 +74,7 @@ class GRPOConfig:
   # has groups that all agree, and only the bonus can move it. unstick_after=0: never.
   unstick_below: float = 0.5
   unstick_after: int = 5
-  # Collapse onto one answer (grpo.collapsed): after `collapse_after` batches in a row
+  # Collapse onto one answer (train/collapse.py): after `collapse_after` batches in a row
   # whose sampled answers were at least `collapse_share` one answer where the right
   # answers differ, the run says so and resets the agent to its starting weights with a
   # fresh optimizer, at most `collapse_resets` times a run (0: only the warning).
