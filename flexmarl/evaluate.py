@@ -65,13 +65,21 @@ def main(argv) -> None:
 def _evaluate(config, workdir: str, base: bool) -> tuple[int, dict]:
   """(the step evaluated, the eval lines) of the run in `workdir`, or of the base."""
   from flexmarl import run
-  from flexmarl.held_out import evaluate
+  from flexmarl.errors import ConfigError
+  from flexmarl.held_out import evaluate, has_held_out
   from flexmarl.workdir import WorkdirError
+  from flexmarl.workflows import build_workflow
+  if not base:
+    _check_run(workdir, config.agents)
+  workflow = build_workflow(config.workflow)
+  if not has_held_out(workflow):
+    raise ConfigError(f'config.workflow: {type(workflow).__name__} has no held-out problems '
+                      '(an eval_queries() method) to evaluate on; evaluate a run of a workflow '
+                      'that has them (e.g. experiments/real_team.py), or add eval_queries() '
+                      '(docs/workflows.md).')
   if base:
     workdir = tempfile.mkdtemp(prefix='flexmarl-eval-')
-  else:
-    _check_run(workdir, config.agents)
-  orchestrator = run.build(config, workdir)
+  orchestrator = run.build(config, workdir, workflow)
   try:
     step = 0 if base else orchestrator.restore()
     if not base and not step:

