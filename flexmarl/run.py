@@ -129,9 +129,9 @@ def _start_devices(spec, started: bool):
   no accelerator."""
   import jax
   from flexmarl import gpu_memory
-  from flexmarl.config import vllm_demand
+  from flexmarl.rollout import backends
   ray = spec.cluster.backend == 'ray'
-  engines, vllm_given = vllm_demand(spec)
+  engines, vllm_given = backends.get(spec.rollout.backend).engine_demand(spec)
   shares = gpu_memory.plan(engines, os.environ, vllm_given)
   if not started:
     if ray:
@@ -186,7 +186,8 @@ def train(config, workdir: str, workflow=None, log=print, experiment: str | None
   On a cluster, a run whose trainer process died resumes from its last checkpoint by
   itself, up to `config.cluster.run_restarts` times."""
   from flexmarl.cluster.remote import WorkerLost
-  restarts = config.get('cluster', {}).get('run_restarts', 0)
+  from flexmarl.cluster_spec import ClusterSpec
+  restarts = ClusterSpec.from_config(config.get('cluster')).run_restarts  # checked, defaulted
   for attempt in range(restarts + 1):
     try:
       summary = build(config, workdir, workflow, log, experiment).run(log)
