@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from flexmarl.errors import CheckpointFileError, ConfigError
-from flexmarl.models import gguf, hf, peft, sharding
+from flexmarl.models import hf, peft, sharding, source
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
@@ -163,14 +163,17 @@ def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.Confi
 
 
 def _checkpoint_model(field: str, folder: str, dtype: str) -> ModelConfig:
-  """The ModelConfig of an HF checkpoint folder or a GGUF file, checked before anything
-  loads."""
-  if not gguf.is_gguf(folder) and (not os.path.isfile(os.path.join(folder, 'config.json'))
-                                   or not glob.glob(os.path.join(folder, '*.safetensors'))):
-    fail(field, folder, 'give a Hugging Face model folder holding config.json and '
-         '*.safetensors (e.g. one written by `python -m flexmarl.export`), a .gguf file, or '
-         'package:NAME for the GGUF file an installed package ships.')
+  """The ModelConfig of an HF checkpoint folder, a GGUF file or a hub model (fetched
+  here, where it is missing: models/source.py), checked before anything loads."""
   try:
+    local = source.local(folder) if source.kind(folder) == source.HUB else folder
+    if source.kind(folder) != source.GGUF and (
+        not os.path.isfile(os.path.join(local, 'config.json'))
+        or not glob.glob(os.path.join(local, '*.safetensors'))):
+      fail(field, folder, 'give a Hugging Face model folder holding config.json and '
+           '*.safetensors (e.g. one written by `python -m flexmarl.export`), a hub id '
+           'ORG/NAME, a .gguf file, or package:NAME for the GGUF file an installed package '
+           'ships.')
     return hf.model_config_from_hf(folder, dtype=dtype)
   except CheckpointFileError as e:  # it names the file; the message names the field
     raise ConfigError(f'config.{field}={folder!r}: {e.problem}') from None

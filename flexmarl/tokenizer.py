@@ -207,16 +207,17 @@ def load_tokenizer(path: str) -> TextTokenizer:
   carries."""
   if path == 'char':
     return build_char_tokenizer()
-  from flexmarl.models import gguf
-  if gguf.is_gguf(path):
-    try:
+  from flexmarl.models import gguf, source
+  try:
+    if source.kind(path) == source.GGUF:
       tokenizer, cfg = gguf.tokenizer_parts(path)
-    except CheckpointFileError as e:  # it names the file; the message names the field
-      raise ConfigError(f'config.tokenizer={path!r}: {e.problem}') from None
-    return TextTokenizer(tokenizer, eos=cfg['eos_token'], bos=cfg.get('bos_token'),
-                         pad=cfg.get('pad_token'), hf_config=cfg, source=path)
-  folder, file = (path, os.path.join(path, 'tokenizer.json')) if os.path.isdir(path) else (
-      os.path.dirname(path), path)
+      return TextTokenizer(tokenizer, eos=cfg['eos_token'], bos=cfg.get('bos_token'),
+                           pad=cfg.get('pad_token'), hf_config=cfg, source=path)
+    local = source.local(path)  # a hub id: its cached folder
+  except CheckpointFileError as e:  # it names the file; the message names the field
+    raise ConfigError(f'config.tokenizer={path!r}: {e.problem}') from None
+  folder, file = ((local, os.path.join(local, 'tokenizer.json')) if os.path.isdir(local)
+                  else (os.path.dirname(local), local))
   if not os.path.exists(file):
     raise FileNotFoundError(
         f'config.tokenizer={path!r}: no tokenizer.json there; give "char" for the built-in '

@@ -105,10 +105,11 @@ def main(argv) -> None:
   ways['transformers (merged)'] = merged
   if all(os.path.isdir(os.path.join(f, 'adapter')) for f in folders.values()):
     import peft
-    from flexmarl.models import gguf
+    from flexmarl.models import source
     checkpoint = config.agents[next(iter(limits))].model.checkpoint
-    folder, name = os.path.split(gguf.resolve(checkpoint)) if gguf.is_gguf(checkpoint) else (
-        checkpoint, None)
+    local = source.local(checkpoint)
+    folder, name = os.path.split(local) if source.kind(checkpoint) == source.GGUF else (
+        local, None)
     adapters = {}
     for a, f in folders.items():
       base = transformers.AutoModelForCausalLM.from_pretrained(

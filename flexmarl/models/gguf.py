@@ -44,10 +44,6 @@ _TOP_NAMES = {'token_embd.weight': 'model.embed_tokens.weight',
 _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, <|endoftext|>, ...)
 
 
-def is_gguf(checkpoint: str) -> bool:
-  return checkpoint.startswith(PACKAGE_PREFIX) or checkpoint.endswith('.gguf')
-
-
 def resolve(checkpoint: str) -> str:
   """The GGUF file `checkpoint` names: a path, or `package:NAME`'s one shipped .gguf file."""
   if not checkpoint.startswith(PACKAGE_PREFIX):

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from flexmarl.errors import CheckpointFileError
-from flexmarl.models import gguf, lora, transformer
+from flexmarl.models import gguf, lora, source, transformer
 from flexmarl.models.transformer import ModelConfig
 
 ARCHITECTURES = {'LlamaForCausalLM': False, 'Qwen2ForCausalLM': True}  # → qkv bias
@@ -51,9 +51,9 @@ def _read_config(hf_dir: str) -> dict:
 def model_config_from_hf(hf_dir: str, dtype: str = 'float32') -> ModelConfig:
   """The decoder's architecture from an HF folder's config.json (Llama or Qwen2), or from
   a GGUF checkpoint's metadata (`models.gguf`)."""
-  if gguf.is_gguf(hf_dir):
+  if source.kind(hf_dir) == source.GGUF:
     return gguf.model_config(hf_dir, dtype)
-  c = _read_config(hf_dir)
+  c = _read_config(source.local(hf_dir))
   arch = (c.get('architectures') or ['?'])[0]
   if arch not in ARCHITECTURES:
     _fail(hf_dir, f'architecture {arch!r} is not supported',
@@ -176,7 +176,7 @@ def _tensor_reader(checkpoint: str, cfg: ModelConfig, stack: contextlib.ExitStac
                    ) -> dict[str, Callable[[], np.ndarray]]:
   """HF tensor name → a function reading that tensor (HF layout) from the checkpoint: a
   safetensors folder, or a GGUF file dequantized on the way (`models.gguf`)."""
-  if gguf.is_gguf(checkpoint):
+  if source.kind(checkpoint) == source.GGUF:
     return gguf.tensor_reader(checkpoint, cfg)
   from safetensors import safe_open
   handles: dict[str, Any] = {}
@@ -187,7 +187,8 @@ def _tensor_reader(checkpoint: str, cfg: ModelConfig, stack: contextlib.ExitStac
         handles[path] = stack.enter_context(safe_open(path, framework='numpy'))
       return handles[path].get_tensor(name)
     return read
-  return {name: reader(name, path) for name, path in _tensor_files(checkpoint).items()}
+  return {name: reader(name, path)
+          for name, path in _tensor_files(source.local(checkpoint)).items()}
 
 
 def load_params(hf_dir: str, cfg: ModelConfig, shardings: dict) -> dict:

@@ -10,7 +10,6 @@ host, storage, checkpoints) is then its adapters and their optimizer state only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 
 import jax
@@ -19,7 +18,7 @@ from jax.sharding import Mesh
 
 from flax import nnx
 
-from flexmarl.models import gguf, hf, transformer
+from flexmarl.models import hf, source, transformer
 from flexmarl.models.transformer import ModelConfig
 
 # shardings (a tree like the base, or None: host memory) -> the base's params there
@@ -34,9 +33,7 @@ def agent_seed(team_seed: int, index: int) -> int:
 def base_key(model: ModelConfig, checkpoint: str, seed: int) -> Hashable:
   """What makes two agents' bases the same: the architecture (adapters aside) and the
   HF checkpoint folder, or without one the random initialisation's seed."""
-  source = (checkpoint if gguf.is_gguf(checkpoint) and not os.path.exists(checkpoint)
-            else os.path.realpath(checkpoint)) if checkpoint else f'seed:{seed}'
-  return model.without_adapters, source
+  return model.without_adapters, source.identity(checkpoint) if checkpoint else f'seed:{seed}'
 
 
 def base_seed(own_seed: int, configured: int) -> int:
