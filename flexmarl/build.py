@@ -3,9 +3,9 @@ the JointOrchestrator that runs them.
 
 `build_team` makes the agents from `Factories`: how a trainer, a sampler, a checkpointer
 and a training pool are made. The real run passes `local_factories` (trainers on JAX
-meshes of this process, embedded or vLLM samplers, Orbax checkpoints); the simulator
-passes simulated ones; a remote backend passes factories whose parts live in other
-processes. Everything past the factories is the same code for all of them.
+meshes of this process, the samplers of the run's rollout backend, Orbax checkpoints);
+the simulator passes simulated ones; a remote backend passes factories whose parts live
+in other processes. Everything past the factories is the same code for all of them.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from flexmarl.metrics.timeline import Timeline
 from flexmarl.models import hf, peft, sharding, transformer
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
-from flexmarl.rollout.adapters import AdapterSampler, SharedAdapterSampler
+from flexmarl.rollout import backends
+from flexmarl.rollout.backends import MakeSampler, MakeShared
 from flexmarl.rollout.balancer import Balancer, Limits
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool, Retarget
-from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
-from flexmarl.rollout.spec import engine_config
+from flexmarl.rollout.sampler import Sampler
 from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.tokenizer import TextTokenizer, per_agent
@@ -44,12 +44,6 @@ from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.step import StepCache
 from flexmarl.train.trainer import AgentTrainer
-
-# (devices, weights) -> a sampler of one agent's model on those devices serving them.
-MakeSampler = Callable[[tuple[int, ...], Weights], Sampler]
-# (devices, each agent's weights) -> one sampler serving a group's adapters there.
-MakeShared = Callable[[tuple[int, ...], Mapping[str, Weights]], AdapterSampler]
-
 
 @dataclasses.dataclass(frozen=True)
 class Factories:
@@ -150,34 +144,10 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
                       init_params=init, banned_ids=banned_ids)
 
 
-def vllm_sampler_on(spec: TeamSpec, name: str, tokenizer: TextTokenizer, workdir: str,
-                    devices: tuple[int, ...], weights: Weights) -> Sampler:
-  """A vLLM engine serving `weights` of agent `name` (rollout.backend=vllm), started from
-  an export of the weights under `workdir`; in this process or a rollout worker's."""
-  from flexmarl.rollout import vllm_sampler  # the optional extra
-  return vllm_sampler.VLLMSampler(
-      spec.agents[name].model, weights.params,
-      workdir=os.path.join(workdir, 'vllm', name, '-'.join(map(str, devices))),
-      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
-      engine=engine_config(**spec.rollout.vllm), version=weights.version)
-
-
-def vllm_shared_on(spec: TeamSpec, names: Sequence[str], tokenizer: TextTokenizer,
-                   workdir: str, devices: tuple[int, ...], weights: Mapping[str, Weights]
-                   ) -> AdapterSampler:
-  """One vLLM engine serving the adapters of group `names` over their base
-  (rollout.adapter_groups under rollout.backend=vllm)."""
-  from flexmarl.rollout import vllm_sampler  # the optional extra
-  return vllm_sampler.VLLMSharedAdapters(
-      spec.agents[names[0]].model, weights,
-      workdir=os.path.join(workdir, 'vllm', '+'.join(names), '-'.join(map(str, devices))),
-      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
-      engine=engine_config(**spec.rollout.vllm))
-
-
-def vllm_retarget(model: ModelConfig, tokenizer: TextTokenizer) -> Retarget:
-  """How an agent of `model` takes over another agent's vLLM instance: one weight sync
-  into the running engine when the architectures match (`VLLMSampler.serve`)."""
+def retarget_in_place(model: ModelConfig, tokenizer: TextTokenizer) -> Retarget:
+  """How an agent of `model` takes over another agent's instance: in place when its
+  sampler can (`Sampler.serve`: a vLLM engine of the same architecture, one weight
+  sync), else a new sampler is made for it."""
   def retarget(sampler: Sampler, weights: Weights) -> bool:
     return sampler.serve(model, weights.params, weights.version, eos_id=tokenizer.stop_ids,
                          pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids)
@@ -187,9 +157,12 @@ def vllm_retarget(model: ModelConfig, tokenizer: TextTokenizer) -> Retarget:
 def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workdir: str,
                     devices: Sequence[jax.Device], recorder: spans.SpanRecorder) -> Factories:
   """The parts of a run in this process: trainers on JAX meshes of `devices` (sharing one
-  `StepCache`), embedded or vLLM samplers, Orbax checkpoints under `workdir`."""
+  `StepCache`), the samplers of `rollout.backend` (flexmarl.rollout.backends), Orbax
+  checkpoints under `workdir`."""
   by_id = {d.id: d for d in devices}
-  steps, compiled, team_bases = StepCache(), {}, {}
+  steps, team_bases = StepCache(), {}
+  backend = backends.get(spec.rollout.backend)
+  local = backends.Local(spec, tokenizers, workdir, by_id)
 
   def trainer(name: str, a: AgentSpec, index: int,
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
@@ -197,52 +170,6 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
         [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
     return agent_trainer(name, a, shared_base.agent_seed(spec.seed, index), where,
                          tokenizers[name].banned_ids, steps, team_bases)
-
-  def sampler(name: str, a: AgentSpec, trainer: AgentTrainer) -> MakeSampler:
-    """A vLLM engine (rollout.backend=vllm, started from an export of the weights), or
-    the embedded sampler in the trainer's layout. Instances of agents with the same
-    model share one compiled sampling loop, so an instance that moves between such
-    agents does not compile again."""
-    tokenizer = tokenizers[name]
-    if spec.rollout.backend == 'vllm':
-      return functools.partial(vllm_sampler_on, spec, name, tokenizer, workdir)
-    generate_fn = compiled.setdefault(a.model, compile_generate(trainer.graphdef))
-    train_devices = () if spec.placement.pool else spec.placement.train[name].devices
-
-    def make(devices: tuple[int, ...], weights: Weights) -> Sampler:
-      # On the trainer's own devices the published arrays are served as they are.
-      mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
-      place = (None if tuple(devices) == tuple(train_devices)
-               else functools.partial(trainer.place, mesh=mesh))
-      return EmbeddedSampler(trainer.graphdef, weights.params,
-                             max_prompt_len=spec.max_prompt_len,
-                             prompt_width_multiple=spec.prompt_width_multiple,
-                             eos_id=tokenizer.stop_ids,
-                             pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
-                             batch_multiple=trainer.batch_multiple, version=weights.version,
-                             place=place, generate_fn=generate_fn)
-    return make
-
-  def shared_sampler(names: Sequence[str], trainers: Mapping[str, AgentTrainer]) -> MakeShared:
-    """One sampler of a group's adapters over their base: a vLLM engine
-    (rollout.backend=vllm), or the embedded sampler (one copy of the base per
-    instance's device group, the one their trainers share there)."""
-    a, first = spec.agents[names[0]], trainers[names[0]]
-    tokenizer = tokenizers[names[0]]
-    if spec.rollout.backend == 'vllm':
-      return functools.partial(vllm_shared_on, spec, tuple(names), tokenizer, workdir)
-    generate_fn = compiled.setdefault(a.model, compile_generate(first.graphdef))
-
-    def make(devices: tuple[int, ...], weights: Mapping[str, Weights]) -> AdapterSampler:
-      mesh = sharding.make_mesh([by_id[d] for d in devices], a.mesh_shape, a.mesh_axes)
-      return SharedAdapterSampler(
-          first.graphdef, a.model.lora, weights,
-          {n: functools.partial(trainers[n].place, mesh=mesh) for n in names},
-          max_prompt_len=spec.max_prompt_len,
-          prompt_width_multiple=spec.prompt_width_multiple, eos_id=tokenizer.stop_ids,
-          pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
-          batch_multiple=first.batch_multiple, generate_fn=generate_fn)
-    return make
 
   def training_pool(trainers: Mapping[str, AgentTrainer],
                     meshes: Sequence[placement_lib.MeshPlacement]) -> TrainingEngine:
@@ -253,22 +180,18 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
         spec.training.storage_dir or os.path.join(workdir, 'swap'), recorder=recorder,
         clock=recorder.clock, states_per_mesh=spec.training.states_per_mesh)
 
-  def retarget(name: str, a: AgentSpec) -> Retarget | None:
-    # An embedded sampler is made anew: cheap, its compiled loop is shared.
-    return vllm_retarget(a.model, tokenizers[name]) if spec.rollout.backend == 'vllm' else None
-
-  return Factories(trainer, sampler, lambda name: AgentCheckpointer(workdir, name),
-                   training_pool, lambda name: Timeline(recorder, f'train:{name}'),
-                   shared_sampler, retarget)
+  return Factories(trainer, lambda name, a, t: backend.sampler(local, name, t),
+                   lambda name: AgentCheckpointer(workdir, name), training_pool,
+                   lambda name: Timeline(recorder, f'train:{name}'),
+                   (functools.partial(backend.shared_sampler, local)
+                    if backend.serves_adapter_groups else None),
+                   lambda name, a: retarget_in_place(a.model, tokenizers[name]))
 
 
 def balance_group(spec: TeamSpec, a: AgentSpec) -> tuple:
-  """The agents an instance of `a` may move between: those of one mesh shape and, under
-  vLLM, one architecture (`vllm_engine.engine_model`)."""
-  if spec.rollout.backend != 'vllm':
-    return a.mesh_shape
-  from flexmarl.rollout import vllm_engine
-  return a.mesh_shape + (vllm_engine.engine_model(a.model),)
+  """The agents an instance of `a` may move between: those of one mesh shape and what
+  the backend asks besides (`Backend.balance_key`: under vLLM, one architecture)."""
+  return a.mesh_shape + backends.get(spec.rollout.backend).balance_key(a.model)
 
 
 def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],

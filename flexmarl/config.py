@@ -3,10 +3,10 @@
 Experiments are ml_collections ConfigDicts (`experiments/*.py: get_config()`). Each
 part's spec lives with its part and checks its own fields (flexmarl.agent_spec,
 flexmarl.rollout.spec, flexmarl.train.spec); this module composes them and checks what
-spans parts (`team_spec`: no devices needed), then places the team on the devices there
-are (`place_team`); `build_team_spec` does both. Every field is checked before anything
-is compiled or written; a bad one raises `ConfigError` naming the field, the bad value
-and the fix.
+spans parts, `rollout.backend` against the backend registry among them (`team_spec`: no
+devices needed), then places the team on the devices there are (`place_team`);
+`build_team_spec` does both. Every field is checked before anything is compiled or
+written; a bad one raises `ConfigError` naming the field, the bad value and the fix.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from flexmarl.agent_spec import AgentSpec, agent_config
 from flexmarl.cluster_spec import ClusterSpec, cluster_config
 from flexmarl.errors import ConfigError
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
-from flexmarl.rollout import vllm_check
-from flexmarl.rollout.spec import RolloutSpec, engine_config, rollout_config
+from flexmarl.rollout import backends
+from flexmarl.rollout.spec import RolloutSpec, rollout_config
 from flexmarl.sample_id import parse_sample_id
+from flexmarl.team_spec import TeamSpec
 from flexmarl.train import shared_base, sizing
 from flexmarl.train.spec import TrainingSpec, training_config
-from flexmarl.validate import check_finite, fail, whole_number
+from flexmarl.validate import check_finite, fail, one_of, whole_number
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')
@@ -39,43 +40,6 @@ PLACEMENT_POLICIES = ('fit', 'strict')
 __all__ = ['ConfigError', 'AgentSpec', 'TeamSpec', 'RolloutSpec', 'TrainingSpec',
            'agent_config', 'rollout_config', 'training_config', 'cluster_config',
            'build_team_spec', 'team_spec', 'place_team', 'parse_schedule']
-
-
-@dataclasses.dataclass(frozen=True)
-class TeamSpec:
-  seed: int
-  steps: int
-  schedule: str  # 'sync' | 'sync_parallel' | 'flexmarl' | 'async'
-  max_staleness: int  # k of `async:k`; 0 (exactly on-policy) for the other schedules
-  max_prompt_len: int
-  tokenizer: str
-  agents: Mapping[str, AgentSpec]
-  rollout: RolloutSpec
-  checkpoint_every: int
-  training: TrainingSpec = TrainingSpec()
-  # trace.json keeps the spans of the last trace_steps to 1.5 × trace_steps steps
-  # (0: every step; see flexmarl.metrics.spans): a long run's trace stays openable.
-  trace_steps: int = 1000
-  # Store retention: at each checkpoint, drop the rows of steps older than the last
-  # store_keep_steps (but those a kept checkpoint carries); 0 keeps every row.
-  store_keep_steps: int = 0
-  cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
-  # Compiled steps kept on disk between runs ('' keeps none; see flexmarl.compile_cache).
-  compile_cache_dir: str = compile_cache.DEFAULT_DIR
-  # Held-out evaluation (greedy pass@1, flexmarl.evaluate) before the first step, every
-  # eval_every steps and after the last; 0: none. Needs a workflow with eval_queries().
-  eval_every: int = 0
-  # 'fit' or 'strict' (PLACEMENT_POLICIES); the placement itself needs the devices, so
-  # `team_spec` leaves it None and `place_team` sets it.
-  placement_policy: str = 'fit'
-  placement: placement_lib.Placement | None = None
-  # Prompts are padded to the batch's longest rounded up to this many tokens (sampler and
-  # trainer alike): larger, fewer programs to compile and more padding to compute.
-  prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE
-
-  def evaluates_after(self, step: int) -> bool:
-    """Whether held-out evaluation runs after `step` (0: before the first step)."""
-    return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
 
 
 def parse_schedule(value: str) -> tuple[str, int]:
@@ -109,51 +73,6 @@ def _vocab(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int
            ) -> Mapping[str, int]:
   return (vocab_size if isinstance(vocab_size, Mapping)
           else dict.fromkeys(config.agents, vocab_size))
-
-
-def vllm_demand(spec: TeamSpec) -> tuple[int, float | None]:
-  """The vLLM engines a run starts and the `rollout.vllm.gpu_memory_utilization` its
-  config sets (None: unset); (0, None) with the embedded sampler. Needs no devices:
-  `run.build` plans GPU memory from it before JAX starts."""
-  if spec.rollout.backend != 'vllm':
-    return 0, None
-  served_with = {n for group in spec.rollout.adapter_groups for n in group[1:]}
-  engines = sum(a.instances for n, a in spec.agents.items() if n not in served_with)
-  return engines, spec.rollout.vllm.get('gpu_memory_utilization')
-
-
-def _check_vllm_serves(agents: Mapping[str, AgentSpec], rollout: RolloutSpec,
-                       max_prompt_len: int) -> None:
-  """What a vLLM engine would refuse when it starts or serves, refused with the config."""
-  sizes = vllm_check.cpu_head_sizes()
-  max_model_len = engine_config(**rollout.vllm).max_model_len
-  top_rank = max(vllm_check.lora_ranks())
-  for name, a in agents.items():
-    f = f'agents.{name}'
-    if a.model.lora.rank > top_rank:
-      fail(f'{f}.model.lora.rank', a.model.lora.rank,
-           f'vLLM serves LoRA adapters of rank up to {top_rank}; give a lower rank, or use '
-           'rollout.backend=embedded.')
-    if sizes is not None and a.model.head_dim not in sizes:
-      fail(f'{f}.model.head_dim', a.model.head_dim,
-           f'vLLM on CPU serves attention head sizes {sizes}; give the model one of them '
-           f'(model.head_dim, or a model.checkpoint with such heads), or use '
-           'rollout.backend=embedded.')
-    if a.model.qkv_bias and a.model.heads * a.model.head_dim != a.model.hidden:
-      fail(f'{f}.model.head_dim', a.model.head_dim,
-           f'a model with q/k/v biases is served as Qwen2, which vLLM builds with head_dim = '
-           f'hidden / heads = {a.model.hidden // a.model.heads}; give model.head_dim='
-           f'{a.model.hidden // a.model.heads} (or heads and hidden that make it), '
-           'model.qkv_bias=False (served as Llama, which keeps head_dim), or use '
-           'rollout.backend=embedded.')
-    if a.sampling.top_p < 1:
-      fail(f'{f}.sampling.top_p', a.sampling.top_p, 'the vLLM backend reports the logprobs '
-           'the trainer uses only without top-p; set top_p=1.0 or use rollout.backend=embedded.')
-    if max_prompt_len + a.sampling.max_new_tokens > max_model_len:
-      fail('rollout.vllm.max_model_len', max_model_len,
-           f'agent {name!r} needs max_prompt_len + max_new_tokens = {max_prompt_len} + '
-           f'{a.sampling.max_new_tokens} tokens; raise max_model_len to at least '
-           f'{max_prompt_len + a.sampling.max_new_tokens}.')
 
 
 def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[str]],
@@ -245,9 +164,15 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
   vocab = _vocab(config, vocab_size)
   agents = {n: AgentSpec.from_config(n, a, vocab[n]) for n, a in config.agents.items()}
   rollout = RolloutSpec.from_config(config.rollout)
+  one_of('rollout.backend', rollout.backend, list(backends.REGISTRY))
+  backend = backends.get(rollout.backend)
+  if rollout.adapter_groups and not backend.serves_adapter_groups:
+    fail('rollout.adapter_groups', [list(g) for g in rollout.adapter_groups],
+         f'rollout.backend={rollout.backend!r} gives every agent instances of its own: set '
+         'rollout.adapter_groups=[] or use a backend that shares them '
+         f'{[n for n, b in backends.REGISTRY.items() if b.serves_adapter_groups]}.')
   _adapter_hosts(agents, rollout.adapter_groups, config.seed)
-  if rollout.backend == 'vllm':
-    _check_vllm_serves(agents, rollout, config.max_prompt_len)
+  backend.check(rollout, agents, config.max_prompt_len)
   training = TrainingSpec.from_config(config.get('training'))
   _check_pool_fits(training, agents)
   policy = config.get('placement', 'fit')

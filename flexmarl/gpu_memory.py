@@ -23,12 +23,10 @@ import collections
 import dataclasses
 from collections.abc import Mapping
 
-import jax.numpy as jnp
-
 from flexmarl.config import TeamSpec
 from flexmarl.errors import ConfigError
-from flexmarl.rollout.spec import engine_config
-from flexmarl.train.sizing import param_count, state_nbytes
+from flexmarl.rollout import backends
+from flexmarl.train.sizing import state_nbytes
 
 BUDGET = 0.9  # of a GPU, for JAX and vLLM together; the rest: CUDA contexts, workspaces
 JAX_FRACTION = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
@@ -143,11 +141,10 @@ def check_fits(shares: Shares, device_bytes: int, jax_needs: Mapping[int, Mappin
 
 def needs(spec: TeamSpec) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
   """What `spec`'s placement puts in JAX's share of each device and in each vLLM
-  engine's, at least (see `check_fits`), from shapes alone."""
+  engine's, at least (see `check_fits`), from shapes alone: the training states, and
+  what the rollout backend's instances hold (`Backend.memory`)."""
   p = spec.placement
   state = {n: state_nbytes(a.model, a.optimizer, a.grpo) for n, a in spec.agents.items()}
-  weights = {n: param_count(a.model) * jnp.dtype(a.model.dtype).itemsize
-             for n, a in spec.agents.items()}
   held: dict[int, dict[str, int]] = collections.defaultdict(dict)
 
   def put(devices: tuple[int, ...], what: str, nbytes: int) -> None:
@@ -163,20 +160,9 @@ def needs(spec: TeamSpec) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
                      key=lambda n: (-state[n], n))[:held_at_once]
     put(m.devices, f"pool{i} ({' + '.join(largest)} state{'s' * (len(largest) > 1)})",
         sum(state[n] for n in largest))
-  engines = {}
-  if spec.rollout.backend == 'vllm':
-    e = engine_config(**spec.rollout.vllm)
-    itemsize = jnp.dtype(e.dtype).itemsize
-    for name, insts in p.rollout.items():
-      m = spec.agents[name].model
-      kv = 2 * m.layers * m.kv_heads * m.head_dim * e.max_model_len * itemsize
-      for j in range(len(insts)):
-        engines[f'{name}/{j}'] = param_count(m) * itemsize + kv
-  else:  # an embedded sampler off its trainer's devices holds its own copy of the weights
-    for name, insts in p.rollout.items():
-      for j, m in enumerate(insts):
-        if m.devices != p.train[name].devices:
-          put(m.devices, f'{name}/{j} weights', weights[name])
+  in_jax, engines = backends.get(spec.rollout.backend).memory(spec)
+  for devices, what, nbytes in in_jax:
+    put(devices, what, nbytes)
   return dict(held), engines
 
 

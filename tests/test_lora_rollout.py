@@ -215,13 +215,14 @@ def test_bad_adapter_groups_are_refused(change, needles):
 def test_vllm_serves_a_group_from_the_first_agents_engines():
   """Under vLLM a group's agents share their first agent's engines: the run plans one
   engine per instance of the group, not one per agent."""
-  from flexmarl.config import vllm_demand
+  from flexmarl.rollout import backends
+  engines = lambda spec: backends.get('vllm').engine_demand(spec)[0]
   c = _three(2, shared=True)
   c.rollout.backend = 'vllm'
   for name in TEAM:
     c.agents[name].model.head_dim, c.agents[name].model.heads = 32, 2  # vLLM on CPU: >= 32
   spec = _spec(c)
   assert set(spec.placement.group_of('judge')) == set(TEAM)
-  assert vllm_demand(spec)[0] == spec.agents['planner'].instances
+  assert engines(spec) == spec.agents['planner'].instances
   c.rollout.adapter_groups = []
-  assert vllm_demand(_spec(c))[0] == sum(spec.agents[n].instances for n in TEAM)
+  assert engines(_spec(c)) == sum(spec.agents[n].instances for n in TEAM)

@@ -14,7 +14,7 @@ from flax import nnx
 
 pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requirements-vllm.txt)')
 
-from flexmarl.build import vllm_retarget  # noqa: E402
+from flexmarl.build import retarget_in_place  # noqa: E402
 from flexmarl.interfaces import Weights  # noqa: E402
 from flexmarl.models import hf  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
@@ -165,7 +165,7 @@ def test_a_balancer_move_between_agents_of_one_architecture_is_one_weight_sync(s
                    no_engine, Weights(_params(0)[1], 0))
   tok_b = types.SimpleNamespace(stop_ids=(stop_b,), pad_id=TOK.pad_id, banned_ids=())
   b = InstancePool('b', [], no_engine, Weights(params_b, 4),
-                   retarget=vllm_retarget(CFG, tok_b))
+                   retarget=retarget_in_place(CFG, tok_b))
   starts, syncs = sampler.starts, sampler.syncs
   moved = a.release()
   assert moved.sampler is sampler

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl import placement as placement_lib
-from flexmarl.build import Factories, MakeSampler
+from flexmarl.build import Factories
 from flexmarl.cluster import nodes as nodes_lib
 from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank, WeightsMissing
 from flexmarl.cluster_spec import ClusterSpec
@@ -28,6 +28,7 @@ from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import RemoteState, Stats, Weights
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
+from flexmarl.rollout.backends import MakeSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 from flexmarl.tokenizer import TextTokenizer
 from flexmarl.train import shared_base, sizing
@@ -131,6 +132,10 @@ class RemoteSampler:
     ref = self.actor.generate.remote(*args, version)
     self.actor.update_weights.remote(self.weights.ref, self.version)
     return ref
+
+  def serve(self, model_cfg: Any, params: Handle, version: int, **tokens: Any) -> bool:
+    """False: a worker serves one agent (the balancer moves no instance under Ray)."""
+    return False
 
   def close(self) -> None:
     import ray

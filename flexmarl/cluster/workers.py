@@ -10,7 +10,6 @@ calls with the same arguments, in the same order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import socket
 from typing import Any
@@ -21,6 +20,7 @@ from flexmarl import compile_cache, malloc
 from flexmarl.cluster_spec import parse_cores
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.interfaces import Weights
+from flexmarl.rollout import backends
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.tokenizer import TextTokenizer
 
@@ -77,35 +77,19 @@ def pin_to_cores(text: str, field: str) -> None:
 
 
 class RolloutWorker:
-  """One rollout instance: an embedded sampler (or a vLLM engine) over this process's
-  devices, serving the weights it was last given. A restarted worker (Ray restarts it
-  after a crash) starts again from its first weights; the driver re-sends the current
-  ones before it serves again."""
+  """One rollout instance: a sampler of the run's rollout backend over this process's
+  devices (`Backend.worker_sampler`), serving the weights it was last given. A restarted
+  worker (Ray restarts it after a crash) starts again from its first weights; the driver
+  re-sends the current ones before it serves again."""
 
   def __init__(self, spec: TeamSpec, agent: str, tokenizer: TextTokenizer, workdir: str,
                devices: tuple[int, ...], weights: dict, version: int):
-    import jax
-
-    from flexmarl.build import vllm_sampler_on
-    from flexmarl.models import hf, sharding, transformer
-    from flexmarl.rollout.sampler import EmbeddedSampler
     pin_to_cores(spec.cluster.rollout_cores, 'rollout_cores')
     malloc.return_freed_memory()
     compile_cache.use(spec.compile_cache_dir)
     self.devices = devices
-    a = spec.agents[agent]
-    if spec.rollout.backend == 'vllm':
-      self.sampler = vllm_sampler_on(spec, agent, tokenizer, workdir, devices,
-                                     Weights(weights, version))
-      return
-    graphdef, abstract = transformer.abstract_model(a.model)
-    mesh = sharding.make_mesh(jax.local_devices()[:len(devices)], a.mesh_shape, a.mesh_axes)
-    self.sampler = EmbeddedSampler(
-        graphdef, weights, max_prompt_len=spec.max_prompt_len,
-        prompt_width_multiple=spec.prompt_width_multiple, eos_id=tokenizer.stop_ids,
-        pad_id=tokenizer.pad_id, banned_ids=tokenizer.banned_ids,
-        batch_multiple=sharding.layout_of(mesh).batch_multiple, version=version,
-        place=functools.partial(jax.device_put, device=sharding.param_shardings(abstract, mesh)))
+    self.sampler = backends.get(spec.rollout.backend).worker_sampler(
+        spec, agent, tokenizer, workdir, devices, Weights(weights, version))
 
   def where(self) -> dict[str, Any]:
     return where(self.devices)

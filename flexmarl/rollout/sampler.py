@@ -4,8 +4,8 @@ A sampler turns a batch of prompts into sampled responses with the per-token
 logprobs of the sampled tokens, serving one policy version. `submit` returns at
 once with a pending result, so the rollout engine keeps every instance busy and
 collects whichever finishes first. Backends: `EmbeddedSampler` (batched, jitted,
-KV cache; runs anywhere JAX runs) and vLLM engines (`vllm_sampler.py`). The
-rollout engine only sees the `Sampler` protocol.
+KV cache; runs anywhere JAX runs) and vLLM engines (`vllm_sampler.py`), registered
+by name in `backends.py`. The rollout engine only sees the `Sampler` protocol.
 
 Randomness: every row brings its own key, derived from (seed, agent, version,
 sample_id) by the caller, so what a sample draws never depends on which other
@@ -66,6 +66,13 @@ class Sampler(Protocol):
 
   def update_weights(self, state: dict, version: int) -> None:
     """Serve `state` (the trainer's parameters, a pure dict) as `version` from now on."""
+
+  def serve(self, model_cfg: transformer.ModelConfig, params: dict, version: int, *,
+            eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = ()
+            ) -> bool:
+    """Serve another agent (of `model_cfg`, its `params` as `version`, its token ids)
+    from this instance in place, for a balancer move; False, and nothing changed, when
+    the move takes a new sampler instead."""
 
   def close(self) -> None:
     """Release the instance's resources."""
@@ -239,6 +246,13 @@ class EmbeddedSampler:
 
   def _place(self, state: nnx.State) -> nnx.State:
     return state if self.place is None else self.place(state)
+
+  def serve(self, model_cfg: transformer.ModelConfig, params: dict, version: int, *,
+            eos_id: int | tuple[int, ...], pad_id: int, banned_ids: tuple[int, ...] = ()
+            ) -> bool:
+    """False: a new sampler is cheap (the model's compiled loop is shared) and places the
+    weights as the new agent's trainer does."""
+    return False
 
   def generate(self, prompts: list[list[int]], keys: np.ndarray, params: SamplingParams,
                limits: np.ndarray | None = None,

@@ -12,11 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.errors import ConfigError
-from flexmarl.validate import (config_of, fail, in_range, number, one_of, read_section,
-                               whole_number)
-
-BACKENDS = ('embedded', 'vllm')
+from flexmarl.validate import config_of, fail, in_range, number, read_section, whole_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +72,11 @@ def engine_config(**kwargs: Any) -> VLLMEngineConfig:
 class RolloutSpec:
   """How the rollout tier serves queries (config section `rollout`).
 
-  - backend: 'embedded' (the JAX sampler) or 'vllm' (a vLLM engine per instance, weights
-    synced in place after every update; needs the vllm extra, requirements-vllm.txt),
-    with engine arguments in `vllm` (see VLLMEngineConfig; only the fields given).
+  - backend: a name in the registry of rollout backends (flexmarl.rollout.backends, which
+    checks it and what it needs with the rest of the config): 'embedded' (the JAX
+    sampler) or 'vllm' (a vLLM engine per instance, weights synced in place after every
+    update; needs the vllm extra, requirements-vllm.txt), with engine arguments in `vllm`
+    (see VLLMEngineConfig; only the fields given).
   - devices: 'separate' gives every rollout instance devices of its own (the paper's
     separate rollout and training pools: generation never queues behind gradient
     work); 'shared' runs an agent's instances on its training devices. On too few
@@ -121,20 +119,9 @@ class RolloutSpec:
   @classmethod
   def from_config(cls, values: Mapping[str, Any] | None, field: str = 'rollout'
                   ) -> RolloutSpec:
-    """The checked spec; with backend='vllm', vLLM is imported here, so that a broken
-    install is refused with the config."""
+    """The checked spec, but for `backend` and what it needs (`rollout.vllm`): the
+    config checks those against the backend registry."""
     r = read_section(cls, field, values)
-    one_of(f'{field}.backend', r.backend, BACKENDS)
-    if r.backend == 'vllm':
-      from flexmarl.rollout import vllm_check
-      try:
-        vllm_check.import_vllm()
-      except vllm_check.VLLMInstallError as e:
-        fail(f'{field}.backend', 'vllm', str(e))
-      try:
-        engine_config(**r.vllm)
-      except (TypeError, ValueError) as e:
-        raise ConfigError(f'config.{field}.vllm: {e}') from None
     for key in ('query_concurrency', 'max_step_queries', 'max_batch'):
       whole_number(f'{field}.{key}', getattr(r, key), 1)
     in_range(f'{field}.balance_threshold', r.balance_threshold, 1, float('inf'),

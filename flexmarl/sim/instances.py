@@ -139,5 +139,9 @@ class SimSampler:
                         version=version)
     self.version = version
 
+  def serve(self, model_cfg: Any, params: Any, version: int, **tokens: Any) -> bool:
+    """False: a simulated instance that moves to another agent is made anew."""
+    return False
+
   def close(self) -> None:
     self.closed = True
