@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import ml_collections
@@ -19,8 +19,10 @@ from flexmarl.models import hf, peft, sharding, source
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
+from flexmarl.train import shared_base
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig
-from flexmarl.validate import config_of, fail, read_section, refuse_unknown, whole_number
+from flexmarl.validate import (DERIVED, config_of, fail, read_section, refuse_unknown,
+                               whole_number)
 
 # The model fields besides a preset's sizes that the model section lists (so that a
 # command-line flag can set them), with ModelConfig's defaults. Any other ModelConfig
@@ -94,14 +96,29 @@ class AgentSpec:
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+  # The agent's own seed (its adapters', or its full model's initialisation): derived once,
+  # from the team's seed and the agent's place in config.agents (`shared_base.agent_seed`).
+  seed: int = dataclasses.field(default=0, metadata=DERIVED)
 
   @property
   def layout(self) -> sharding.MeshLayout:
     return sharding.MeshLayout(self.mesh_shape, self.mesh_axes)
 
+  @property
+  def random_base_seed(self) -> int:
+    """The seed of the agent's random base: `model.base_seed`, or (-1) its own."""
+    return self.seed if self.base_seed < 0 else self.base_seed
+
+  @property
+  def base_key(self) -> Hashable:
+    """What the agent's base shares with other agents' (`shared_base.base_key`)."""
+    return shared_base.base_key(self.model, self.checkpoint, self.random_base_seed)
+
   @classmethod
-  def from_config(cls, name: str, a: ml_collections.ConfigDict, vocab_size: int) -> AgentSpec:
-    """The checked spec of `config.agents[name]`; `vocab_size`: its tokenizer's."""
+  def from_config(cls, name: str, a: ml_collections.ConfigDict, vocab_size: int,
+                  seed: int = 0) -> AgentSpec:
+    """The checked spec of `config.agents[name]`; `vocab_size`: its tokenizer's; `seed`:
+    the agent's own (`shared_base.agent_seed`)."""
     f = f'agents.{name}'
     given = a.to_dict() if isinstance(a, ml_collections.ConfigDict) else dict(a)
     defaults = agent_config().to_dict()
@@ -140,7 +157,7 @@ class AgentSpec:
         mesh_axes=layout.axes, train_devices=tuple(a.train_devices), sampling=sampling,
         optimizer=OptimizerConfig.from_config(f'{f}.optimizer', a.optimizer),
         grpo=GRPOConfig.from_config(f'{f}.grpo', a.grpo, sampling.temperature,
-                                    sampling.max_new_tokens))
+                                    sampling.max_new_tokens), seed=seed)
 
 
 def agent_config(preset: str = 'tiny', **overrides: Any) -> ml_collections.ConfigDict:

@@ -49,7 +49,7 @@ from flexmarl.train.trainer import AgentTrainer
 class Factories:
   """How the parts of a team are made.
 
-  trainer(name, spec, index, mesh): the agent's trainer on `mesh` (its training
+  trainer(name, spec, mesh): the agent's trainer on `mesh` (its training
     devices), or, for a training pool (mesh None), with its state in host memory.
   sampler(name, spec, trainer): the agent's `MakeSampler`.
   checkpointer(name): where the agent's checkpoints go.
@@ -83,9 +83,9 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
                      'these factories have no training_pool factory (this backend runs every '
                      'agent on a mesh of its own): give each agent its own mesh '
                      '(config.training.pool_devices=0) or use a backend with a training pool.')
-  trainers = {name: factories.trainer(name, a, i, None if placement.pool
+  trainers = {name: factories.trainer(name, a, None if placement.pool
                                       else placement.train[name])
-              for i, (name, a) in enumerate(spec.agents.items())}
+              for name, a in spec.agents.items()}
   if placement.adapter_groups and factories.shared_sampler is None:
     raise ValueError(f'the placement shares instances between adapters '
                      f'{[list(g) for g in placement.adapter_groups]}, but this backend gives '
@@ -118,7 +118,7 @@ def build_team(spec: TeamSpec, placement: placement_lib.Placement, factories: Fa
   return agents
 
 
-def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.MeshLayout,
+def agent_trainer(name: str, a: AgentSpec, where: Mesh | sharding.MeshLayout,
                   banned_ids: tuple[int, ...], steps: StepCache | None = None,
                   team_bases: dict | None = None) -> AgentTrainer:
   """An agent's trainer on mesh `where` (or, given a layout, with its state in host
@@ -128,8 +128,8 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
   remote trainer group."""
   if a.model.lora.rank:  # adapters over the base shared by the agents of that base
     base = shared_base.shared({} if team_bases is None else team_bases, a.model, a.checkpoint,
-                        shared_base.base_seed(seed, a.base_seed))
-    return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
+                        a.random_base_seed)
+    return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=a.seed, steps=steps,
                         init_params=peft.load_peft(a.adapter, a.model) if a.adapter else None,
                         banned_ids=banned_ids, base=base)
   init = None
@@ -140,7 +140,7 @@ def agent_trainer(name: str, a: AgentSpec, seed: int, where: Mesh | sharding.Mes
     host = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])
     init = jax.device_get(hf.load_params(a.checkpoint, a.model, jax.tree.map(
         lambda _: host, nnx.to_pure_dict(transformer.abstract_model(a.model)[1]))))
-  return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=seed, steps=steps,
+  return AgentTrainer(name, a.model, a.optimizer, a.grpo, where, seed=a.seed, steps=steps,
                       init_params=init, banned_ids=banned_ids)
 
 
@@ -164,12 +164,11 @@ def local_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], wor
   backend = backends.get(spec.rollout.backend)
   local = backends.Local(spec, tokenizers, workdir, by_id)
 
-  def trainer(name: str, a: AgentSpec, index: int,
+  def trainer(name: str, a: AgentSpec,
               mesh: placement_lib.MeshPlacement | None) -> AgentTrainer:
     where = a.layout if mesh is None else sharding.make_mesh(  # None: a pool trainer
         [by_id[d] for d in mesh.devices], a.mesh_shape, a.mesh_axes)
-    return agent_trainer(name, a, shared_base.agent_seed(spec.seed, index), where,
-                         tokenizers[name].banned_ids, steps, team_bases)
+    return agent_trainer(name, a, where, tokenizers[name].banned_ids, steps, team_bases)
 
   def training_pool(trainers: Mapping[str, AgentTrainer],
                     meshes: Sequence[placement_lib.MeshPlacement]) -> TrainingEngine:

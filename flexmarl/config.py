@@ -66,7 +66,8 @@ def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) ->
   """One agent's checked spec from a whole experiment config (e.g. a run's saved one)."""
   if name not in config.agents:
     fail('agents', sorted(config.agents), f'has no agent {name!r}; name one of these.')
-  return AgentSpec.from_config(name, config.agents[name], vocab_size)
+  return AgentSpec.from_config(name, config.agents[name], vocab_size,
+                               shared_base.agent_seed(config.seed, list(config.agents).index(name)))
 
 
 def _vocab(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int]
@@ -75,8 +76,8 @@ def _vocab(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, int
           else dict.fromkeys(config.agents, vocab_size))
 
 
-def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[str]],
-                   seed: int) -> dict[str, str]:
+def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[str]]
+                   ) -> dict[str, str]:
   """Each agent of a `rollout.adapter_groups` group but its first, mapped to that first
   agent, whose instances serve the group. A group one instance cannot serve (not LoRA
   agents of one base, or unlike models, meshes, sampling or instances) is refused."""
@@ -97,8 +98,7 @@ def _adapter_hosts(agents: Mapping[str, AgentSpec], groups: Sequence[Sequence[st
       seen[n] = i
     members = list(group)  # the first is the host
     first = agents[members[0]]
-    key = lambda n: shared_base.base_key(agents[n].model, agents[n].checkpoint, shared_base.base_seed(
-        shared_base.agent_seed(seed, order.index(n)), agents[n].base_seed))
+    key = lambda n: agents[n].base_key
     for n in members:
       a = agents[n]
       if not a.model.lora.rank:
@@ -162,7 +162,8 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
       fail('workflow', name, f'the workflow calls agent {name!r}, which config.agents does '
            f'not define (defined: {sorted(config.agents)}); add it or rename it.')
   vocab = _vocab(config, vocab_size)
-  agents = {n: AgentSpec.from_config(n, a, vocab[n]) for n, a in config.agents.items()}
+  agents = {n: AgentSpec.from_config(n, a, vocab[n], shared_base.agent_seed(config.seed, i))
+            for i, (n, a) in enumerate(config.agents.items())}
   rollout = RolloutSpec.from_config(config.rollout)
   one_of('rollout.backend', rollout.backend, list(backends.REGISTRY))
   backend = backends.get(rollout.backend)
@@ -171,7 +172,7 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
          f'rollout.backend={rollout.backend!r} gives every agent instances of its own: set '
          'rollout.adapter_groups=[] or use a backend that shares them '
          f'{[n for n, b in backends.REGISTRY.items() if b.serves_adapter_groups]}.')
-  _adapter_hosts(agents, rollout.adapter_groups, config.seed)
+  _adapter_hosts(agents, rollout.adapter_groups)
   backend.check(rollout, agents, config.max_prompt_len)
   training = TrainingSpec.from_config(config.get('training'))
   _check_pool_fits(training, agents)
@@ -214,7 +215,7 @@ def place_team(spec: TeamSpec, device_ids: Sequence[int]) -> TeamSpec:
   devices under the 'fit' policy, refused under 'strict'; a fitted spec's rollout and
   training fields say what runs."""
   agents, rollout, training = spec.agents, spec.rollout, spec.training
-  hosts = _adapter_hosts(agents, rollout.adapter_groups, spec.seed)
+  hosts = _adapter_hosts(agents, rollout.adapter_groups)
   placement = placement_fit.fit(
       {n: placement_lib.AgentDemand(a.mesh_shape, a.instances, a.train_devices,
                                     a.instance_devices, hosts.get(n, ''))

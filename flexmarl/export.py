@@ -60,9 +60,7 @@ def export(workdir: str, agent: str, out_dir: str, step: int | None = None,
   if spec.model.lora.rank:  # the checkpoint holds adapters: the base is rebuilt as the run did
     peft.save_peft(spec.model, params, os.path.join(out_dir, 'adapter'),
                  base_model=spec.checkpoint)
-    seed = shared_base.base_seed(shared_base.agent_seed(config.seed, list(config.agents).index(agent)),
-                           spec.base_seed)
-    base = shared_base.load_base(spec.model, spec.checkpoint, seed)(
+    base = shared_base.load_base(spec.model, spec.checkpoint, spec.random_base_seed)(
         jax.tree.map(lambda _: device, frozen))
     params = lora.combine(params, base)
   return hf.save_hf(spec.model, params, out_dir, tokenizer=tokenizer, dtype=dtype)

@@ -8,15 +8,14 @@ from collections.abc import Mapping
 
 from flexmarl.agent_spec import AgentSpec
 from flexmarl.placement import Placement
-from flexmarl.train import shared_base, sizing
+from flexmarl.train import sizing
 
 
 def _mib(n: int) -> str:
   return f'{n / 2**20:.1f} MiB'
 
 
-def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement,
-                    team_seed: int) -> str:
+def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement) -> str:
   """What the team holds, from shapes: per agent its state (what moves, swaps and is
   checkpointed; a LoRA agent's adapters) and its base (LoRA agents of one base share
   one copy per device group); per device group the most it holds: one copy of each
@@ -25,9 +24,7 @@ def describe_memory(agents: Mapping[str, AgentSpec], placement: Placement,
   state = {n: sizing.state_nbytes(a.model, a.optimizer, a.grpo) for n, a in agents.items()}
   weights = {n: sizing.param_nbytes(a.model.without_adapters)
              for n, a in agents.items()}
-  keys = {n: shared_base.base_key(a.model, a.checkpoint, shared_base.base_seed(
-      shared_base.agent_seed(team_seed, i), a.base_seed))
-          for i, (n, a) in enumerate(agents.items()) if a.model.lora.rank}
+  keys = {n: a.base_key for n, a in agents.items() if a.model.lora.rank}
   sharers = collections.defaultdict(list)
   for n, key in keys.items():
     sharers[key].append(n)

@@ -282,7 +282,7 @@ class JointOrchestrator:
     """Train until `spec.steps`, resuming from the workdir's checkpoints. The first
     Ctrl-C stops at the end of the current step, saved; a rerun resumes."""
     log(self.spec.placement.describe())
-    log(memory.describe_memory(self.spec.agents, self.spec.placement, self.spec.seed))
+    log(memory.describe_memory(self.spec.agents, self.spec.placement))
     for line in self.journal.store.recovered:
       log(f'warning: {line}')
     writer = None

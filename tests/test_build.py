@@ -102,7 +102,7 @@ def _build(config, workdir, saved):
   spec = build_team_spec(config, TOK.vocab_size, range(8), workflow.agent_names())
   trainers, samplers = {}, []
 
-  def trainer(name, a, index, mesh):
+  def trainer(name, a, mesh):
     trainers[name] = CountingTrainer(name)
     return trainers[name]
 

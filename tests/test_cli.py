@@ -156,7 +156,7 @@ def test_export_prints_no_orbax_info_lines(tmp_path):
   from flexmarl.train.checkpoint import AgentCheckpointer
   from flexmarl.train.trainer import AgentTrainer
   tok = build_char_tokenizer()
-  config = ml_collections.ConfigDict(dict(agents=dict(solver=config_lib.agent_config('tiny'))))
+  config = ml_collections.ConfigDict(dict(seed=0, agents=dict(solver=config_lib.agent_config('tiny'))))
   (tmp_path / 'config.json').write_text(config.to_json_best_effort())
   tok.save(str(tmp_path / 'tokenizer'))
   spec = config_lib.agent_spec(config, 'solver', tok.vocab_size)

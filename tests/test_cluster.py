@@ -211,7 +211,7 @@ def test_trainer_group_of_two_processes_trains_like_one_process_of_four_devices(
   from flexmarl.train.trainer import TrainBatch
   c = two_agent_config(steps=1)
   c.agents.solver.mesh_shape, c.agents.solver.mesh_axes = (4,), ('fsdp',)
-  agent = AgentSpec.from_config('solver', c.agents.solver, 32)
+  agent = AgentSpec.from_config('solver', c.agents.solver, 32, seed=7)
   rng = np.random.default_rng(0)
   batches = [TrainBatch.from_rows(
       [list(rng.integers(3, 30, 5)) for _ in range(8)],
@@ -219,13 +219,13 @@ def test_trainer_group_of_two_processes_trains_like_one_process_of_four_devices(
       rng.normal(size=8).astype(np.float32), prompt_len=8, response_len=2, pad_id=0,
       batch_multiple=4) for _ in range(2)]
 
-  local = agent_trainer('solver', agent, 7, sharding.make_mesh(jax.devices()[:4], (4,),
+  local = agent_trainer('solver', agent, sharding.make_mesh(jax.devices()[:4], (4,),
                                                                 ('fsdp',)), ())
   import ray
   node = nodes_lib.Node(ray.get_runtime_context().get_node_id(),
                         ray.util.get_node_ip_address(), 4)  # this driver's node
   group, started = start_trainer_group(
-      TrainerJob('solver', agent, 7, (), '/tmp/unused'),
+      TrainerJob('solver', agent, (), '/tmp/unused'),
       nodes_lib.slots('train:solver', (0, 1, 2, 3), [node], 2, False), False,
       len(jax.devices()),
       ClusterSpec(call_timeout_s=300.0), 4)

@@ -217,7 +217,7 @@ def test_trained_model_keeps_its_accuracy_through_hf(tmp_path):
 def test_export_cli_writes_the_latest_checkpoint(tmp_path):
   """A run's workdir (config.json, tokenizer/, an Orbax checkpoint) → HF folder."""
   tok = build_char_tokenizer()
-  config = ml_collections.ConfigDict(dict(agents=dict(
+  config = ml_collections.ConfigDict(dict(seed=0, agents=dict(
       solver=config_lib.agent_config('tiny'))))
   config.agents.solver.model.tie_embeddings = False
   (tmp_path / 'config.json').write_text(config.to_json_best_effort())

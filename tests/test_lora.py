@@ -337,7 +337,7 @@ def test_a_built_team_shares_its_base_and_says_what_it_holds(tmp_path):
   c = _lora_team(steps=2)
   c.agents.critic = agent_config('tiny', group_size=2, global_batch=8, micro_batch=8)
   spec = build_team_spec(c, 20, list(range(8)), ['solver', 'verifier'])
-  text = memory.describe_memory(spec.agents, spec.placement, spec.seed)
+  text = memory.describe_memory(spec.agents, spec.placement)
   assert 'shared by solver, verifier' in text and 'critic' in text and '(full model)' in text
   orchestrator = build(_lora_team(steps=2), str(tmp_path / 'run'), log=lambda *_: None)
   solver, verifier = (orchestrator.agents[n].trainer for n in ('solver', 'verifier'))

@@ -69,7 +69,7 @@ def _refused(config, workdir, *needles, workflow=None) -> str:
 
 
 def _with_checkpoint(checkpoint: str) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict(dict(agents=dict(solver=agent_config('tiny'))))
+  c = ml_collections.ConfigDict(dict(seed=0, agents=dict(solver=agent_config('tiny'))))
   c.agents.solver.model.checkpoint = checkpoint
   return c
 
@@ -282,7 +282,7 @@ def test_evaluate_of_a_workflow_without_held_out_problems(tmp_path):
 
 def test_export_of_an_agent_the_run_does_not_have(tmp_path):
   from flexmarl.export import export
-  config = ml_collections.ConfigDict(dict(agents=dict(solver=agent_config('tiny'))))
+  config = ml_collections.ConfigDict(dict(seed=0, agents=dict(solver=agent_config('tiny'))))
   (tmp_path / 'config.json').write_text(config.to_json_best_effort())
   build_char_tokenizer().save(str(tmp_path / 'tokenizer'))
   out = tmp_path / 'hf'

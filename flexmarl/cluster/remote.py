@@ -31,7 +31,7 @@ from flexmarl.metrics.timeline import Timeline
 from flexmarl.rollout.backends import MakeSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 from flexmarl.tokenizer import TextTokenizer
-from flexmarl.train import shared_base, sizing
+from flexmarl.train import sizing
 
 
 class WorkerLost(RuntimeError):
@@ -276,12 +276,12 @@ def ray_factories(spec: TeamSpec, tokenizers: Mapping[str, TextTokenizer], workd
   rollout_cls = ray.remote(RolloutWorker)
   trainers: dict[str, RemoteTrainer] = {}  # for their checkpointers
 
-  def trainer(name: str, a: AgentSpec, index: int,
+  def trainer(name: str, a: AgentSpec,
               mesh: placement_lib.MeshPlacement | None) -> RemoteTrainer:
     group = f'train:{name}'
     slots = nodes_lib.slots(group, mesh.devices, cluster.nodes, c.devices_per_process, False)
-    job = TrainerJob(name, a, shared_base.agent_seed(spec.seed, index), tokenizers[name].banned_ids,
-                     workdir, spec.compile_cache_dir, c.trainer_cores)
+    job = TrainerJob(name, a, tokenizers[name].banned_ids, workdir, spec.compile_cache_dir,
+                     c.trainer_cores)
     remote, started = start_trainer_group(
         job, slots, cluster.gpus, cluster.cpu_devices, c, a.layout.batch_multiple)
     cluster.add_workers(group, remote.ranks, started)

@@ -109,12 +109,11 @@ class RolloutWorker:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerJob:
-  """What every rank of a trainer group builds: agent `name`'s trainer from `agent`,
-  seeded with `seed`, its checkpoints under `workdir`."""
+  """What every rank of a trainer group builds: agent `name`'s trainer from `agent` (its
+  seed too), its checkpoints under `workdir`."""
 
   name: str
   agent: AgentSpec
-  seed: int
   banned_ids: tuple[int, ...]
   workdir: str
   compile_cache_dir: str = ''
@@ -155,7 +154,7 @@ class TrainerRank:
     mesh = sharding.make_mesh([d for p, k in enumerate(self.counts)
                                for d in jax.local_devices(process_index=p)[:k]],
                               a.mesh_shape, a.mesh_axes)
-    self.trainer = agent_trainer(job.name, a, job.seed, mesh, job.banned_ids)
+    self.trainer = agent_trainer(job.name, a, mesh, job.banned_ids)
     self.checkpointer = AgentCheckpointer(job.workdir, job.name)
     return self.where()
 

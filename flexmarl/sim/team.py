@@ -242,7 +242,7 @@ def sim_factories(spec: TeamSpec, setup: ml_collections.ConfigDict, clock: SimCl
                                                   host)
     return c, load_s, offload_s, sync_s, devices
 
-  def trainer(name, a, index, mesh) -> SimTrainer:
+  def trainer(name, a, mesh) -> SimTrainer:
     s = setup.agents[name]
     c, load_s, offload_s, _, devices = agent_rates(name)
     group = groups[f'train/{name}'] if mesh is not None else None

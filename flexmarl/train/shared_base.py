@@ -36,11 +36,6 @@ def base_key(model: ModelConfig, checkpoint: str, seed: int) -> Hashable:
   return model.without_adapters, source.identity(checkpoint) if checkpoint else f'seed:{seed}'
 
 
-def base_seed(own_seed: int, configured: int) -> int:
-  """The seed of an agent's random base: `model.base_seed`, or (-1) the agent's own."""
-  return own_seed if configured < 0 else configured
-
-
 def load_base(model: ModelConfig, checkpoint: str, seed: int) -> LoadBase:
   """How a base is made onto shardings (None: host memory): read from the HF
   checkpoint, or the random initialisation of the model without adapters from `seed`
