@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from flexmarl.config import agent_config, cluster_config, rollout_config
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import AgentClient, Episode, Query
 
 MAX_OPERAND = 2

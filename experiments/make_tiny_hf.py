@@ -15,7 +15,7 @@ from flax import nnx
 
 from flexmarl.models import hf
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
-from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer
 
 
 def make(out_dir: str, seed: int = 0) -> str:

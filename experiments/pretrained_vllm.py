@@ -27,7 +27,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                          family='add', task_args={'max_operand': 4})
   config.rollout = dict(
       query_concurrency=8, max_step_queries=32, devices='shared', backend='vllm',
-      # On a GPU, gpu_memory_utilization is left to flexmarl.gpu_memory (shared with JAX).
+      # On a GPU, gpu_memory_utilization is left to flexmarl.runtime.gpu_memory (shared with JAX).
       vllm=dict(dtype='float32', max_model_len=64, kv_cache_bytes=64 << 20,
                 enforce_eager=True))
   sampling = dict(temperature=1.0, top_p=1.0, max_new_tokens=2)  # vLLM: top_p must be 1

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import AgentClient, Completion, Episode, Query
 
 MAX_DIGIT = 4

@@ -19,12 +19,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from flexmarl import placement as placement_lib
+from flexmarl.placement import plan as placement_lib
 from flexmarl.agent import Agent
-from flexmarl.clock import Clock
+from flexmarl.core.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.data.journal import Journal
-from flexmarl.interfaces import Checkpointer, Trainer, Weights
+from flexmarl.core.interfaces import Checkpointer, Trainer, Weights
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
 from flexmarl.models import hf, peft, sharding, transformer
@@ -38,7 +38,7 @@ from flexmarl.rollout.pool import Instance, InstancePool, Retarget
 from flexmarl.rollout.sampler import Sampler
 from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.tokenizer import TextTokenizer, per_agent
+from flexmarl.models.tokenizer import TextTokenizer, per_agent
 from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine

@@ -1,7 +1,7 @@
 """Experiment config → checked, typed team spec.
 
 Experiments are ml_collections ConfigDicts (`experiments/*.py: get_config()`). Each
-part's spec lives with its part and checks its own fields (flexmarl.agent_spec,
+part's spec lives with its part and checks its own fields (flexmarl.spec.agent,
 flexmarl.rollout.spec, flexmarl.train.spec); this module composes them and checks what
 spans parts, `rollout.backend` against the backend registry among them (`team_spec`: no
 devices needed), then places the team on the devices there are (`place_team`);
@@ -16,20 +16,20 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from flexmarl import compile_cache
-from flexmarl import placement as placement_lib
-from flexmarl import placement_fit
-from flexmarl.agent_spec import AgentSpec, agent_config
-from flexmarl.cluster_spec import ClusterSpec, cluster_config
-from flexmarl.errors import ConfigError
+from flexmarl.runtime import compile_cache
+from flexmarl.placement import plan as placement_lib
+from flexmarl.placement import fit as placement_fit
+from flexmarl.spec.agent import AgentSpec, agent_config
+from flexmarl.spec.cluster import ClusterSpec, cluster_config
+from flexmarl.core.errors import ConfigError
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout import backends
 from flexmarl.rollout.spec import RolloutSpec, rollout_config
-from flexmarl.sample_id import parse_sample_id
-from flexmarl.team_spec import TeamSpec
+from flexmarl.data.sample_id import parse_sample_id
+from flexmarl.spec.team import TeamSpec
 from flexmarl.train import shared_base, sizing
 from flexmarl.train.spec import TrainingSpec, training_config
-from flexmarl.validate import check_finite, fail, one_of, whole_number
+from flexmarl.spec.validate import check_finite, fail, one_of, whole_number
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')

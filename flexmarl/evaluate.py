@@ -4,7 +4,7 @@
   python -m flexmarl.evaluate --config=experiments/real_team.py --base   # before training
 
 prints greedy pass@1 and mean reward per agent and for the team on the workflow's
-held-out problems (`flexmarl.held_out`); `--out=FILE` writes them as JSON.
+held-out problems (`flexmarl.rollout.held_out`); `--out=FILE` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _check_run(workdir: str, agents) -> None:
   `agents`: checked before the team is built, which would write into the folder and
   compile the model first."""
   from flexmarl.train.checkpoint import saved_steps
-  from flexmarl.workdir import WorkdirError
+  from flexmarl.runtime.workdir import WorkdirError
   if not os.path.isfile(os.path.join(workdir, 'config.json')):
     raise WorkdirError(f'--workdir={workdir!r} holds no run (no config.json): give the '
                        '--workdir of a run of python -m flexmarl.main, or --base to evaluate '
@@ -44,9 +44,9 @@ def _check_run(workdir: str, agents) -> None:
 
 def main(argv) -> None:
   del argv
-  from flexmarl.errors import ConfigError
-  from flexmarl.held_out import format_eval
-  from flexmarl.workdir import WorkdirError
+  from flexmarl.core.errors import ConfigError
+  from flexmarl.rollout.held_out import format_eval
+  from flexmarl.runtime.workdir import WorkdirError
   from flexmarl.workflows.checks import WorkflowError
   if not _BASE.value and not _WORKDIR.value:
     raise app.UsageError('give --workdir=RUN (its newest checkpoint) or --base.')
@@ -65,9 +65,9 @@ def main(argv) -> None:
 def _evaluate(config, workdir: str, base: bool) -> tuple[int, dict]:
   """(the step evaluated, the eval lines) of the run in `workdir`, or of the base."""
   from flexmarl import run
-  from flexmarl.errors import ConfigError
-  from flexmarl.held_out import evaluate, has_held_out
-  from flexmarl.workdir import WorkdirError
+  from flexmarl.core.errors import ConfigError
+  from flexmarl.rollout.held_out import evaluate, has_held_out
+  from flexmarl.runtime.workdir import WorkdirError
   from flexmarl.workflows import build_workflow
   if not base:
     _check_run(workdir, config.agents)

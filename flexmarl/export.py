@@ -25,14 +25,14 @@ from absl import app, flags
 from flax import nnx
 
 from flexmarl.config import agent_spec
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.models import hf, lora, peft, transformer
 from flexmarl.run import quiet_logging
-from flexmarl.tokenizer import load_tokenizer
+from flexmarl.models.tokenizer import load_tokenizer
 from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer, saved_steps
 from flexmarl.train.optimizer import make_optimizer
-from flexmarl.workdir import WorkdirError
+from flexmarl.runtime.workdir import WorkdirError
 
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
 _DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (default: as trained).')

@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from flexmarl.run import train
-from flexmarl.validate import replacement
+from flexmarl.spec.validate import replacement
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=True)
@@ -57,7 +57,7 @@ def main(argv):
   del argv
   # Imported here: jax loads only once the flags are parsed.
   from flexmarl.config import ConfigError
-  from flexmarl.workdir import WorkdirError
+  from flexmarl.runtime.workdir import WorkdirError
   from flexmarl.workflows.checks import WorkflowError
   config = _CONFIG.value
   if not isinstance(config, ml_collections.ConfigDict):  # the file could not be loaded

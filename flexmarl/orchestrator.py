@@ -26,15 +26,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl import memory
+from flexmarl.runtime import memory
 from flexmarl.agent import Agent
-from flexmarl.clock import Clock
+from flexmarl.core.clock import Clock
 from flexmarl.config import TeamSpec
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
-from flexmarl.held_out import evaluate, format_eval
-from flexmarl.interfaces import Stats
-from flexmarl.interrupt import StopRequest
+from flexmarl.rollout.held_out import evaluate, format_eval
+from flexmarl.core.interfaces import Stats
+from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.metrics import spans, utilization
 from flexmarl.metrics.no_update import UpdateWatch
 from flexmarl.metrics.stall import StallWatch

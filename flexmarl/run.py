@@ -11,7 +11,7 @@ import os
 
 from absl import flags, logging
 
-from flexmarl import malloc
+from flexmarl.runtime import malloc
 
 
 def quiet_logging() -> None:
@@ -35,7 +35,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   `workflow`: a Workflow object (see flexmarl.workflows.base); by default the one
   that `config.workflow` names (a built-in, or `package.module:Class`). `experiment`:
   the experiment file, recorded in the workdir. Nothing is written before every check
-  has passed; a workdir that holds another run is refused (flexmarl.workdir). With
+  has passed; a workdir that holds another run is refused (flexmarl.runtime.workdir). With
   `config.cluster.backend='ray'` the team's parts start as Ray workers (flexmarl.cluster)
   and this process only drives them.
 
@@ -46,9 +46,9 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   quiet_logging()
   malloc.return_freed_memory()
   # Imported here, after absl parsed flags, so XLA_FLAGS set by the caller take effect.
-  from flexmarl import compile_cache
+  from flexmarl.runtime import compile_cache
   from flexmarl.build import build_orchestrator
-  from flexmarl.clock import RealClock
+  from flexmarl.core.clock import RealClock
   from flexmarl.config import place_team, team_spec
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow_api
@@ -97,7 +97,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
 def _load_tokenizers(config) -> tuple[dict, dict]:
   """({agent: its tokenizer}, {path: tokenizer}): an agent's own `agents.NAME.tokenizer`,
   else the team's `config.tokenizer` (each file loaded once)."""
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.models.tokenizer import load_tokenizer
   paths = {name: a.get('tokenizer') or config.tokenizer for name, a in config.agents.items()}
   loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
   return {name: loaded[path] for name, path in paths.items()}, loaded
@@ -108,8 +108,8 @@ def _check_workflow_runs(spec, workflow, tokenizers) -> list[str]:
   fit `max_prompt_len`; a run that evaluates has held-out problems to evaluate on.
   Returns warnings: agents the run's queries cannot serve a global batch."""
   from flexmarl.config import check_prompt_lengths
-  from flexmarl.errors import ConfigError
-  from flexmarl.held_out import has_held_out
+  from flexmarl.core.errors import ConfigError
+  from flexmarl.rollout.held_out import has_held_out
   from flexmarl.metrics.no_update import start_warnings
   from flexmarl.workflows.checks import check_workflow
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
@@ -128,7 +128,7 @@ def _start_devices(spec, started: bool):
   The shares are set before JAX starts its client (which reads them); a Ray driver owns
   no accelerator."""
   import jax
-  from flexmarl import gpu_memory
+  from flexmarl.runtime import gpu_memory
   from flexmarl.rollout import backends
   ray = spec.cluster.backend == 'ray'
   engines, vllm_given = backends.get(spec.rollout.backend).engine_demand(spec)
@@ -147,7 +147,7 @@ def _start_devices(spec, started: bool):
 
 def _settle_gpu_memory(spec, shares, devices, started: bool, log):
   """On GPUs: the spec with the vLLM engines' planned share of memory, checked to fit."""
-  from flexmarl import gpu_memory
+  from flexmarl.runtime import gpu_memory
   if devices[0].platform != 'gpu':
     return spec
   log(shares.describe())
@@ -163,9 +163,9 @@ def _settle_gpu_memory(spec, shares, devices, started: bool, log):
 
 
 def _accept_workdir(workdir, config, workflow, experiment, loaded, tokenizers, log) -> None:
-  """Claim the workdir for this run (flexmarl.workdir) and save the tokenizers beside it:
+  """Claim the workdir for this run (flexmarl.runtime.workdir) and save the tokenizers beside it:
   the team's in tokenizer/, an agent's own in tokenizers/NAME."""
-  from flexmarl import workdir as workdirs
+  from flexmarl.runtime import workdir as workdirs
   for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
     log(f'warning: {warning}')
   workdirs.accept_workdir(workdir, config, workflow, experiment)
@@ -186,7 +186,7 @@ def train(config, workdir: str, workflow=None, log=print, experiment: str | None
   On a cluster, a run whose trainer process died resumes from its last checkpoint by
   itself, up to `config.cluster.run_restarts` times."""
   from flexmarl.cluster.remote import WorkerLost
-  from flexmarl.cluster_spec import ClusterSpec
+  from flexmarl.spec.cluster import ClusterSpec
   restarts = ClusterSpec.from_config(config.get('cluster')).run_restarts  # checked, defaulted
   for attempt in range(restarts + 1):
     try:

@@ -14,7 +14,7 @@ FAST_COMPILE = '--xla_backend_optimization_level=0'
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {FAST_COMPILE}')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-# A test that builds a team loads the steps an earlier one compiled (flexmarl.compile_cache),
+# A test that builds a team loads the steps an earlier one compiled (flexmarl.runtime.compile_cache),
 # and so do the runs tests start as processes of their own (they inherit the environment).
 # A fresh folder per session: nothing carries over from another checkout or jaxlib.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:

@@ -4,7 +4,7 @@ checks of the training pool."""
 import jax
 import pytest
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.train import grpo, pool_meshes, sizing

@@ -10,7 +10,7 @@ from flexmarl.config import ConfigError, agent_config, team_spec
 from flexmarl.rollout import backends
 from flexmarl.rollout.sampler import PendingSamples, Sampler, SamplingParams
 from flexmarl.run import train
-from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer
 
 
 class Counted:

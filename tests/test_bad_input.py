@@ -22,10 +22,10 @@ import pytest
 from experiments import hierarchical_assistant
 from flexmarl.config import ConfigError, agent_config
 from flexmarl.run import build, train
-from flexmarl.tokenizer import build_char_tokenizer
-from flexmarl import workdir as workdirs
-from flexmarl.workdir import WorkdirError
-from flexmarl.workflows import tasks
+from flexmarl.models.tokenizer import build_char_tokenizer
+from flexmarl.runtime import workdir as workdirs
+from flexmarl.runtime.workdir import WorkdirError
+from flexmarl import tasks
 from flexmarl.workflows.base import Completion, Episode, Query
 from flexmarl.workflows.checks import WorkflowError, check_episode, dry_run
 
@@ -89,7 +89,7 @@ CONFIG_CASES = {
                                    ["['digits']", "'add'", 'max_operand']),
     'unknown_workflow_module': (_set('workflow.name', 'no_such_pkg.flows:MyFlow'),
                                 ["'no_such_pkg.flows'", 'sys.path', 'PYTHONPATH']),
-    'unknown_workflow_class': (_set('workflow.name', 'flexmarl.workflows.tasks:Nope'),
+    'unknown_workflow_class': (_set('workflow.name', 'flexmarl.tasks:Nope'),
                                ["no class 'Nope'", 'Task']),
     'unknown_builtin_workflow': (_set('workflow.name', 'solver_checker'),
                                  ["'solver_checker'", 'single_task', 'package.module:ClassName']),
@@ -413,7 +413,7 @@ def test_edited_config_json_is_compared(trained):
 def test_a_workdir_from_before_the_collapse_fields_resumes_with_warnings(trained):
   """A run started before a GRPO knob existed (its config.json lacks it) carries on, the
   new field named in a warning, like the other fields a resume may change."""
-  from flexmarl.workdir import check_workdir
+  from flexmarl.runtime.workdir import check_workdir
   from flexmarl.workflows import build_workflow
   before = (trained / 'config.json').read_bytes()
   saved = json.loads(before)

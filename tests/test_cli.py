@@ -15,7 +15,7 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
 
 # A user's workflow in their own module, and an experiment file that names it.
 FLOWS = '''
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import Episode, Query
 
 
@@ -152,7 +152,7 @@ def test_export_prints_no_orbax_info_lines(tmp_path):
 
   from flexmarl import config as config_lib
   from flexmarl.models import sharding
-  from flexmarl.tokenizer import build_char_tokenizer
+  from flexmarl.models.tokenizer import build_char_tokenizer
   from flexmarl.train.checkpoint import AgentCheckpointer
   from flexmarl.train.trainer import AgentTrainer
   tok = build_char_tokenizer()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flexmarl.clock import RealClock, SimClock, SimPending
+from flexmarl.core.clock import RealClock, SimClock, SimPending
 
 
 class _Flag:

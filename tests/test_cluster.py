@@ -14,9 +14,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from flexmarl import placement as placement_lib
+from flexmarl.placement import plan as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster_spec import ClusterSpec, cluster_config, parse_cores
+from flexmarl.spec.cluster import ClusterSpec, cluster_config, parse_cores
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train

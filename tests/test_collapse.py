@@ -16,7 +16,7 @@ from flexmarl.run import train
 from flexmarl.train import collapse, credit, grpo
 from flexmarl.train.spec import GRPOConfig
 from flexmarl.workflows.base import Episode, Query
-from flexmarl.workflows.tasks import partial_credit
+from flexmarl.tasks import partial_credit
 
 Y, N = np.array([5, 1]), np.array([6, 1])  # two answers' token ids
 

@@ -1,4 +1,4 @@
-"""Compiled steps kept between runs (`config.compile_cache_dir`, flexmarl.compile_cache):
+"""Compiled steps kept between runs (`config.compile_cache_dir`, flexmarl.runtime.compile_cache):
 a second run loads them instead of compiling, and trains exactly as the first did."""
 
 import json
@@ -68,7 +68,7 @@ def test_a_second_run_loads_its_steps_and_trains_alike(tmp_path):
 USE = '''
 import json, sys
 import jax
-from flexmarl import compile_cache
+from flexmarl.runtime import compile_cache
 print(json.dumps([compile_cache.use(sys.argv[1]), jax.config.jax_compilation_cache_dir]))
 '''
 

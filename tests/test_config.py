@@ -85,7 +85,7 @@ def test_unknown_schedule_and_bad_numbers(tmp_path):
 def test_specialists_keep_the_order_of_the_file(tmp_path):
   """The order sets the Zipf skew and the router's indices: the first pair is the most
   frequent family and the router's '0'. config.json holds that same order."""
-  from flexmarl.workdir import config_values
+  from flexmarl.runtime.workdir import config_values
   from flexmarl.workflows import build_workflow
   c = hierarchical_assistant.get_config()
   workflow = build_workflow(c.workflow)
@@ -127,7 +127,7 @@ def test_experiment_configs_are_valid(name, arg):
   import jax
 
   from flexmarl.config import build_team_spec, check_prompt_lengths
-  from flexmarl.tokenizer import build_char_tokenizer
+  from flexmarl.models.tokenizer import build_char_tokenizer
   from flexmarl.workflows import build_workflow
   from flexmarl.workflows.checks import check_workflow
   config = importlib.import_module(f'experiments.{name}').get_config(arg)
@@ -148,7 +148,7 @@ def test_the_spec_is_checked_before_jax_starts(tmp_path):
       'from experiments import hierarchical_assistant\n'
       'from flexmarl.config import place_team, team_spec\n'
       'from flexmarl.run import _jax_started\n'
-      'from flexmarl.tokenizer import build_char_tokenizer\n'
+      'from flexmarl.models.tokenizer import build_char_tokenizer\n'
       'from flexmarl.workflows import build_workflow\n'
       'config = hierarchical_assistant.get_config("runlocal")\n'
       'spec = team_spec(config, build_char_tokenizer().vocab_size,\n'

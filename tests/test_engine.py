@@ -9,7 +9,7 @@ import pytest
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
-from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
 from flexmarl.workflows.checks import WorkflowError
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from flexmarl import sample_id as sample_ids
+from flexmarl.data import sample_id as sample_ids
 from flexmarl.store.experience_store import ExperienceStore, Row, StoredRow
 
 _AGENT = 'solver'

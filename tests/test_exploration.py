@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.metrics.stall import RAISED, StallWatch
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig

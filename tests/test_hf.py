@@ -20,8 +20,8 @@ from flexmarl.models import hf, sharding, transformer  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.train.checkpoint import AgentCheckpointer  # noqa: E402
 from flexmarl.train.trainer import AgentTrainer  # noqa: E402
-from flexmarl.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
-from flexmarl.workflows import tasks  # noqa: E402
+from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
+from flexmarl import tasks  # noqa: E402
 
 VOCAB = 48
 CASES = {

@@ -35,7 +35,7 @@ def test_a_hub_id_resolves_from_the_hub_cache_offline(tmp_path, monkeypatch):
   monkeypatch.setenv('HF_HUB_CACHE', cache)
   monkeypatch.setenv('HF_HUB_OFFLINE', '1')
   # huggingface_hub reads its settings when imported: a fresh process, as a user runs it.
-  script = ('from flexmarl.models import source, hf; from flexmarl.tokenizer import load_tokenizer\n'
+  script = ('from flexmarl.models import source, hf; from flexmarl.models.tokenizer import load_tokenizer\n'
             'print(source.kind("flexmarl-test/tiny"), source.local("flexmarl-test/tiny"))\n'
             'print(hf.model_config_from_hf("flexmarl-test/tiny").hidden)\n'
             'print(load_tokenizer("flexmarl-test/tiny").vocab_size)\n'
@@ -48,7 +48,7 @@ def test_a_hub_id_resolves_from_the_hub_cache_offline(tmp_path, monkeypatch):
   assert kind.split() == ['hub', os.path.join(cache, 'models--flexmarl-test--tiny', 'snapshots',
                                               COMMIT)]
   from flexmarl.models import hf
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.models.tokenizer import load_tokenizer
   assert int(hidden) == hf.model_config_from_hf(folder).hidden
   assert int(vocab) == load_tokenizer(folder).vocab_size
   assert error.startswith("CheckpointFileError model.checkpoint='flexmarl-test/absent': the "

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from flexmarl import workdir
+from flexmarl.runtime import workdir
 from flexmarl.agent import Agent
-from flexmarl.agent_spec import AgentSpec, agent_config
-from flexmarl.clock import SimClock
+from flexmarl.spec.agent import AgentSpec, agent_config
+from flexmarl.core.clock import SimClock
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
 from flexmarl.metrics import spans as sp

@@ -13,7 +13,7 @@ from flax import nnx
 
 from experiments import planner_workers_judge
 from flexmarl.config import ConfigError, build_team_spec
-from flexmarl.interfaces import Weights
+from flexmarl.core.interfaces import Weights
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import Decoder, ModelConfig

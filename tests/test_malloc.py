@@ -1,4 +1,4 @@
-"""Freed memory goes back to the system (flexmarl.malloc): with glibc's threshold fixed,
+"""Freed memory goes back to the system (flexmarl.runtime.malloc): with glibc's threshold fixed,
 a block the size of a step's batch is mapped on its own even after larger blocks were
 freed, where glibc's default would serve it from the heap (which fragments)."""
 
@@ -11,7 +11,7 @@ import pytest
 PROBE = """
 import ctypes, sys
 sys.path.insert(0, {root!r})
-from flexmarl import malloc
+from flexmarl.runtime import malloc
 class Info(ctypes.Structure):
   _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd',
               'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
@@ -46,6 +46,6 @@ def test_a_freed_batch_sized_block_is_mapped_on_its_own():
 
 
 def test_a_threshold_from_the_environment_is_left_alone(monkeypatch):
-  from flexmarl import malloc
+  from flexmarl.runtime import malloc
   monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '131072')
   assert not malloc.return_freed_memory()

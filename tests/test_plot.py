@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flexmarl import plot
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics.spans import SpanRecorder
 

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from flexmarl.config import ConfigError, agent_config, agent_spec
 from flexmarl.run import build
-from flexmarl.tokenizer import build_char_tokenizer, load_tokenizer
-from flexmarl.workdir import WorkdirError
+from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer
+from flexmarl.runtime.workdir import WorkdirError
 from flexmarl.workflows.base import Episode, Query
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

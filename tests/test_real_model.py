@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flexmarl.models import gguf, hf, transformer
-from flexmarl.tokenizer import load_tokenizer
+from flexmarl.models.tokenizer import load_tokenizer
 
 pytest.importorskip('gguf')
 pytest.importorskip('reasoning_gym')
@@ -114,7 +114,7 @@ def test_messages_are_checked(tokenizer):
 
 
 def test_gym_rewards_and_disjoint_held_out_split():
-  from flexmarl.workflows.gym import GymTask
+  from flexmarl.tasks.gym import GymTask
   task = GymTask('basic_arithmetic', dict(min_terms=2, max_terms=2, min_digits=1,
                                           max_digits=1), held_out=40)
   held_out = {task.entry('eval', i)['question'] for i in range(40)}
@@ -135,7 +135,7 @@ def test_chat_router_rewards_and_eval_lines():
   import asyncio
 
   from flexmarl.data.records import EpisodeResult, ServedGroup
-  from flexmarl.held_out import eval_lines
+  from flexmarl.rollout.held_out import eval_lines
   from flexmarl.workflows.base import Completion
   from flexmarl.workflows.chat_router import ChatRouter
   flow = ChatRouter('router', [('chain_sum', 'sum'), ('gcd', 'gcd')],

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexmarl.sample_id import parse_sample_id, sample_id
+from flexmarl.data.sample_id import parse_sample_id, sample_id
 
 
 @pytest.mark.quick

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flexmarl.interrupt import StopRequest
+from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.summary import write_summary
 from flexmarl.metrics.writer import MetricsWriter

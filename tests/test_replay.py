@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flexmarl.agent import Agent
-from flexmarl.agent_spec import AgentSpec, agent_config
+from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
 from flexmarl.models import sharding

@@ -15,10 +15,10 @@ import pytest
 from flexmarl.models import sharding, transformer
 from flexmarl.rollout import balancer as bal
 from flexmarl.rollout.engine import RolloutEngine
-from flexmarl.interfaces import Weights
+from flexmarl.core.interfaces import Weights
 from flexmarl.rollout.pool import Instance, InstancePool, Request, least_loaded
 from flexmarl.rollout.sampler import EmbeddedSampler, SampleBatch, SamplingParams, sample_key
-from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
 
 TOK = build_char_tokenizer()

@@ -20,11 +20,11 @@ from flexmarl.rollout.engine import Answer, RolloutEngine, finish
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams
 from flexmarl.run import train
-from flexmarl.sample_id import parse_sample_id
-from flexmarl.tokenizer import BOS, build_char_tokenizer, load_tokenizer
+from flexmarl.data.sample_id import parse_sample_id
+from flexmarl.models.tokenizer import BOS, build_char_tokenizer, load_tokenizer
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import Episode, Query
 
 torch = pytest.importorskip('torch', reason='serving tests need torch (requirements-vllm.txt)')

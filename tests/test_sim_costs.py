@@ -104,7 +104,7 @@ def test_paper_setups_fit_the_cluster_they_describe():
 def test_fast_char_tokenizer_gives_the_reference_ids_and_text():
   import numpy as np
   from flexmarl.sim.tokenizer import FastCharTokenizer
-  from flexmarl.tokenizer import DEFAULT_CHARS, build_char_tokenizer
+  from flexmarl.models.tokenizer import DEFAULT_CHARS, build_char_tokenizer
   ref, fast = build_char_tokenizer(), FastCharTokenizer()
   rng = np.random.default_rng(0)
   for n in (0, 1, 7, 300):

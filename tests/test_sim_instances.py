@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics.spans import SpanRecorder
 from flexmarl.rollout.sampler import SamplingParams, sample_key

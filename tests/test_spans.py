@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics import utilization as ut
 from flexmarl.metrics.spans import Span, SpanRecorder, TraceWriter, load_spans

@@ -12,7 +12,7 @@ from flexmarl.config import agent_config, rollout_config
 from flexmarl.metrics.starvation import StarvationWatch
 from flexmarl.metrics.writer import TEAM, read_metrics
 from flexmarl.run import train
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import Episode, Query
 
 

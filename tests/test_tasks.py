@@ -5,7 +5,7 @@ import collections
 import numpy as np
 import pytest
 
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 
 
 @pytest.mark.parametrize('family,args', [

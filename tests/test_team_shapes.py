@@ -16,7 +16,7 @@ from experiments.benchmarks import robustness
 from flexmarl import run
 from flexmarl.config import build_team_spec, check_prompt_lengths
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.tokenizer import build_char_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.workflows import build_workflow
 from flexmarl.workflows.base import Completion, Query
 from flexmarl.workflows.checks import check_workflow

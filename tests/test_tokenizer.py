@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from flexmarl.tokenizer import build_char_tokenizer, load_tokenizer
+from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer
 
 
 @pytest.mark.quick

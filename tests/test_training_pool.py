@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from experiments import hierarchical_assistant
-from flexmarl.clock import RealClock
+from flexmarl.core.clock import RealClock
 from flexmarl.config import ConfigError, build_team_spec, training_config
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import sharding
-from flexmarl.tokenizer import load_tokenizer
+from flexmarl.models.tokenizer import load_tokenizer
 from flexmarl.train import sizing
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine

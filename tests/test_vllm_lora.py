@@ -24,7 +24,7 @@ from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
 from flexmarl.rollout import vllm_check  # noqa: E402
 from flexmarl.rollout.vllm_sampler import (VLLMEngineConfig, VLLMSampler,  # noqa: E402
                                            VLLMSharedAdapters)
-from flexmarl.tokenizer import build_char_tokenizer  # noqa: E402
+from flexmarl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
 from flexmarl.train.loss import response_logprobs  # noqa: E402
 from test_team import two_agent_config  # noqa: E402
@@ -86,7 +86,7 @@ def dedicated(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def shared(tmp_path_factory):
-  from flexmarl.interfaces import Weights
+  from flexmarl.core.interfaces import Weights
   s = VLLMSharedAdapters(CFG, {a: Weights(_params(10 + i)[1], 0) for i, a in enumerate(AGENTS)},
                          workdir=str(tmp_path_factory.mktemp('vllm_shared')), eos_id=TOK.eos_id,
                          pad_id=TOK.pad_id, engine=ENGINE)

@@ -61,7 +61,7 @@ def main(argv):
   from flexmarl.config import build_team_spec
   from flexmarl.models import sharding
   from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, compile_generate
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.models.tokenizer import load_tokenizer
   from flexmarl.train.trainer import AgentTrainer, TrainBatch
 
   config = hierarchical_assistant.get_config()

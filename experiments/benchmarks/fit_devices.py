@@ -3,7 +3,7 @@
   python experiments/benchmarks/fit_devices.py [--devices=1,2,4,8] [--steps=40] [--warmup=20]
 
 The default experiment asks for 8 devices (4 training meshes, 4 rollout instances of
-their own). With no placement given, fewer devices are fitted (flexmarl.placement.fit):
+their own). With no placement given, fewer devices are fitted (flexmarl.placement.plan.fit):
 4 run the rollout instances on the training devices (`rollout.devices=shared`); 2 and
 1 also make the agents take turns on a training pool of 2 and 1 meshes, their states
 swapped to host memory between turns. Each device count runs in a process of its own

@@ -50,8 +50,8 @@ def main(argv):
 
   from flexmarl.config import build_team_spec
   from flexmarl.build import build_orchestrator
-  from flexmarl.clock import RealClock
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.core.clock import RealClock
+  from flexmarl.models.tokenizer import load_tokenizer
   from flexmarl.workflows import build_workflow
 
   config = get_config()

@@ -80,7 +80,7 @@ def main(argv) -> None:
   sys.path.insert(0, os.getcwd())
   from flexmarl import run
   from flexmarl.export import export
-  from flexmarl.held_out import answer_texts, eval_lines, run_held_out
+  from flexmarl.rollout.held_out import answer_texts, eval_lines, run_held_out
   config, workdir = _CONFIG.value, _WORKDIR.value
   orchestrator = run.build(config, workdir)
   try:

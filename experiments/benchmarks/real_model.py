@@ -159,7 +159,7 @@ def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> li
 
   from flexmarl.models import hf, lora, transformer
   from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
-  from flexmarl.tokenizer import load_tokenizer
+  from flexmarl.models.tokenizer import load_tokenizer
   tok = load_tokenizer(MODEL)
   prompts = [tok.encode_prompt([{'role': 'user', 'content':
                                  f'State the final answer: {i} + {i + 3} ='}])

@@ -122,7 +122,7 @@ def best_constants(config) -> dict[str, float | str]:
   `best_constant_accuracy()`."""
   import importlib
 
-  from flexmarl.workflows import tasks
+  from flexmarl import tasks
   wf = config.workflow
   rng = np.random.default_rng(0)
 

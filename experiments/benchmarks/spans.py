@@ -16,7 +16,7 @@ import time
 
 from absl import app, flags
 
-from flexmarl.clock import RealClock
+from flexmarl.core.clock import RealClock
 from flexmarl.metrics import spans as sp
 from flexmarl.metrics import utilization as ut
 

@@ -6,9 +6,9 @@ import json
 import os
 from typing import Any
 
-from flexmarl import placement as placement_lib
+from flexmarl.placement import plan as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.cluster_spec import ClusterSpec
+from flexmarl.spec.cluster import ClusterSpec
 
 
 class Cluster:

@@ -23,7 +23,7 @@ import numpy as np
 
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
-from flexmarl.sample_id import parse_sample_id
+from flexmarl.data.sample_id import parse_sample_id
 from flexmarl.metrics.spans import STORE_WRITE, SpanRecorder
 from flexmarl.store.experience_store import ExperienceStore, Row
 

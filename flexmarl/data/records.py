@@ -3,7 +3,7 @@
 The rollout engine produces them, `data/` turns them into batches, the journal turns
 them into store rows and back; all of them import these definitions from here, so no
 part depends on another just to read its output. Each sampled response in them is
-named by its sample id (`flexmarl/sample_id.py`).
+named by its sample id (`flexmarl/data/sample_id.py`).
 """
 
 from __future__ import annotations

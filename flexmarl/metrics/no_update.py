@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping, Sequence
 
-from flexmarl.sample_id import parse_sample_id
+from flexmarl.data.sample_id import parse_sample_id
 
 
 def reason(agent: str, steps: int, waiting: int, global_batch: int,
@@ -27,8 +27,8 @@ def reason(agent: str, steps: int, waiting: int, global_batch: int,
   """Why `agent` has had no update in `steps` steps, with `waiting` rows in its buffer."""
   if not waiting:
     return (f'agent {agent!r} has had no update in {steps} steps: no query served it a row. '
-            'Fix: check what the agents called before it answer (the warning "has got no '
-            'rows" names them) and that the workflow calls it.')
+            'Fix: check what the agents called before it answer (the starvation warning '
+            'names them) and that the workflow calls it.')
   per_step = waiting / steps
   need = f'about {global_batch / per_step:.0f} steps'
   return (f'agent {agent!r} has had no update in {steps} steps: {waiting} rows wait for its '

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from flexmarl.clock import Clock
+from flexmarl.core.clock import Clock
 
 TRACE_FILE = 'trace.json'
 

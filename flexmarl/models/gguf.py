@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flexmarl.errors import CheckpointFileError
+from flexmarl.core.errors import CheckpointFileError
 
 PACKAGE_PREFIX = 'package:'
 ARCHITECTURES = ('llama', 'qwen2')  # the decoder layouts of flexmarl.models.transformer

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flexmarl.errors import CheckpointFileError
+from flexmarl.core.errors import CheckpointFileError
 from flexmarl.models import gguf, lora, source, transformer
 from flexmarl.models.transformer import ModelConfig
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flexmarl.validate import fail, refuse_unknown
+from flexmarl.spec.validate import fail, refuse_unknown
 
 # Projections an adapter may target, with their HF (and PEFT) module names.
 TARGETS = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',

@@ -19,7 +19,7 @@ import functools
 import os
 import re
 
-from flexmarl.errors import CheckpointFileError
+from flexmarl.core.errors import CheckpointFileError
 from flexmarl.models import gguf
 
 GGUF, FOLDER, HUB = 'gguf', 'folder', 'hub'

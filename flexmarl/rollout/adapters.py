@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from flax import nnx
 
-from flexmarl.interfaces import Weights
+from flexmarl.core.interfaces import Weights
 from flexmarl.models import lora
 from flexmarl.rollout.sampler import EmbeddedSampler, PendingSamples, SamplingParams
 

@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 
 import numpy as np
 
-from flexmarl.clock import Clock, RealClock
+from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
-from flexmarl.tokenizer import Prompt, TextTokenizer
+from flexmarl.models.tokenizer import Prompt, TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import check_episode, run_error, timeout_error
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flexmarl.interfaces import Weights
+from flexmarl.core.interfaces import Weights
 from flexmarl.data.records import ServedGroup
-from flexmarl.sample_id import sample_id
+from flexmarl.data.sample_id import sample_id
 from flexmarl.rollout.adapters import AdapterSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
 

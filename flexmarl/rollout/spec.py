@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.validate import config_of, fail, in_range, number, read_section, whole_number
+from flexmarl.spec.validate import config_of, fail, in_range, number, read_section, whole_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class RolloutSpec:
     separate rollout and training pools: generation never queues behind gradient
     work); 'shared' runs an agent's instances on its training devices. On too few
     devices for 'separate', placement may fit the team with 'shared' instead (see
-    `config.placement` in flexmarl.placement_fit.fit).
+    `config.placement` in flexmarl.placement.fit.fit).
   - query_concurrency: the queries in flight at once; a finished query's slot is
     refilled at once.
   - max_step_queries: the most queries one step may consume (a step ends earlier, as

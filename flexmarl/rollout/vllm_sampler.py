@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.interfaces import Weights
+from flexmarl.core.interfaces import Weights
 from flexmarl.models import hf, lora, peft
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check, vllm_weights

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.sim.cores import SharedCores
 
 COMPILE = 'compile'  # span of a first call's compilation (busy: the devices wait for it)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.clock import SimClock, SimPending
+from flexmarl.core.clock import SimClock, SimPending
 from flexmarl.metrics import spans
 from flexmarl.metrics.spans import SpanRecorder
 from flexmarl.models.layout import bucket

@@ -38,7 +38,7 @@ import time
 import ml_collections
 import numpy as np
 
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.metrics.spans import Span, SpanRecorder
 from flexmarl.metrics.utilization import Usage, critical_path, group_usage, track_usage
 from flexmarl.metrics.writer import TEAM

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flexmarl.tokenizer import DEFAULT_CHARS, TextTokenizer, build_char_tokenizer
+from flexmarl.models.tokenizer import DEFAULT_CHARS, TextTokenizer, build_char_tokenizer
 
 
 class FastCharTokenizer(TextTokenizer):

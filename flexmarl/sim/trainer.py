@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flexmarl.clock import SimClock
+from flexmarl.core.clock import SimClock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.sim.costs import transfer_time

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from flexmarl.workflows.base import AgentClient, Completion, Episode, Query
-from flexmarl.workflows.tasks import zipf_probs
+from flexmarl.tasks import zipf_probs
 
 FILLER = 'a'
 

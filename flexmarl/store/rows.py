@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import tensorstore as ts
 
-from flexmarl.sample_id import parse_sample_id
+from flexmarl.data.sample_id import parse_sample_id
 from flexmarl.store.layout import BIT, IX, READY_FIELDS, SETTABLE_FIELDS, STATUS_COL, Table
 
 _MAX_TOKEN_ID = 2**31 - 1

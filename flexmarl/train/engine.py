@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from flexmarl.clock import Clock
+from flexmarl.core.clock import Clock
 from flexmarl.metrics import spans
 from flexmarl.models import sharding
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate, evict_lru

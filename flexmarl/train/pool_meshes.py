@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 from jax.sharding import Mesh
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.models import sharding
 from flexmarl.train.state import InStorage, Location, OnHost, Transfer
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.models import lora, sharding, transformer
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig

@@ -13,7 +13,7 @@ from typing import Any
 import ml_collections
 
 from flexmarl.train.credit import ESTIMATORS
-from flexmarl.validate import (DERIVED, config_of, fail, in_range, number, one_of,
+from flexmarl.spec.validate import (DERIVED, config_of, fail, in_range, number, one_of,
                                read_section, whole_number)
 
 LOSS_NORMS = ('token', 'constant')

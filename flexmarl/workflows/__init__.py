@@ -13,7 +13,7 @@ import sys
 
 import ml_collections
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 
 from flexmarl.workflows.base import Workflow
 from flexmarl.workflows.chat_router import ChatRouter

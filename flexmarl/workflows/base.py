@@ -31,7 +31,7 @@ class Query:
 class Completion:
   """One sampled response, as the workflow sees it."""
 
-  sample_id: str  # {query_id}_{call}_{j} (flexmarl.sample_id.sample_id)
+  sample_id: str  # {query_id}_{call}_{j} (flexmarl.data.sample_id.sample_id)
   agent: str
   text: str
   version: int  # the policy version that sampled it
@@ -140,4 +140,4 @@ class HeldOut(Protocol):
   `python -m flexmarl.evaluate`): problems kept out of its training stream."""
 
   def eval_queries(self) -> Sequence[Query]:
-    """The held-out problems, the same on every call (flexmarl.held_out)."""
+    """The held-out problems, the same on every call (flexmarl.rollout.held_out)."""

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from flexmarl.workflows.base import AgentClient, Completion, Episode, Query, ordered_pairs
-from flexmarl.workflows.gym import GymTask
+from flexmarl.tasks.gym import GymTask
 
 ANSWER_ONLY = 'Reply with the final answer only.'
 

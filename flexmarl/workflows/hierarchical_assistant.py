@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import AgentClient, Episode, Query, ordered_pairs
 
 

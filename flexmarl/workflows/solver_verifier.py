@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.workflows import tasks
+from flexmarl import tasks
 from flexmarl.workflows.base import AgentClient, Completion, Episode, Query
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from flexmarl.errors import CheckpointFileError, ConfigError
+from flexmarl.core.errors import CheckpointFileError, ConfigError
 
 PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
 CHAT_ROLES = ('system', 'user', 'assistant', 'tool')

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from flexmarl.config import TeamSpec
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 from flexmarl.rollout import backends
 from flexmarl.train.sizing import state_nbytes
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 
 # Config fields that were renamed or removed: old dotted name → (new name, or '' when
 # the field is gone, and what to know when moving).

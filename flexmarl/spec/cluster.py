@@ -9,7 +9,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.validate import config_of, fail, in_range, one_of, read_section, whole_number
+from flexmarl.spec.validate import config_of, fail, in_range, one_of, read_section, whole_number
 
 BACKENDS = ('local', 'ray')
 

@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flexmarl.errors import ConfigError
-from flexmarl.placement import (AgentDemand, Fit, Placement, derive, devices_needed,
+from flexmarl.core.errors import ConfigError
+from flexmarl.placement.plan import (AgentDemand, Fit, Placement, derive, devices_needed,
                                 pool_shapes, size)
 
 

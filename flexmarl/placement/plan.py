@@ -38,7 +38,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flexmarl.errors import ConfigError
+from flexmarl.core.errors import ConfigError
 
 MODES = ('shared', 'separate')
 FILENAME = 'placement.json'

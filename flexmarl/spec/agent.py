@@ -14,14 +14,14 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.errors import CheckpointFileError, ConfigError
+from flexmarl.core.errors import CheckpointFileError, ConfigError
 from flexmarl.models import hf, peft, sharding, source
 from flexmarl.models.lora import LoRAConfig
 from flexmarl.models.transformer import PRESETS, ModelConfig
 from flexmarl.rollout.spec import SamplingParams
 from flexmarl.train import shared_base
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig
-from flexmarl.validate import (DERIVED, config_of, fail, read_section, refuse_unknown,
+from flexmarl.spec.validate import (DERIVED, config_of, fail, read_section, refuse_unknown,
                                whole_number)
 
 # The model fields besides a preset's sizes that the model section lists (so that a

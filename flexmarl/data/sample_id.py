@@ -37,5 +37,5 @@ def parse_sample_id(sid: str) -> SampleIdParts:
   if match is None:
     raise ValueError(f"sample_id={sid!r} is not of the form '{{query_id}}_{{call}}_{{j}}' "
                      '(call and j whole numbers); build it with '
-                     'flexmarl.sample_id.sample_id(query_id, call, j)')
+                     'flexmarl.data.sample_id.sample_id(query_id, call, j)')
   return SampleIdParts(match['query_id'], int(match['call']), int(match['j']))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from flexmarl import compile_cache
-from flexmarl import placement as placement_lib
-from flexmarl.agent_spec import AgentSpec
-from flexmarl.cluster_spec import ClusterSpec
+from flexmarl.runtime import compile_cache
+from flexmarl.placement import plan as placement_lib
+from flexmarl.spec.agent import AgentSpec
+from flexmarl.spec.cluster import ClusterSpec
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout.spec import RolloutSpec
 from flexmarl.train.spec import TrainingSpec
@@ -35,7 +35,7 @@ class TeamSpec:
   # store_keep_steps (but those a kept checkpoint carries); 0 keeps every row.
   store_keep_steps: int = 0
   cluster: ClusterSpec = ClusterSpec()  # where the processes run (one, or a Ray cluster)
-  # Compiled steps kept on disk between runs ('' keeps none; see flexmarl.compile_cache).
+  # Compiled steps kept on disk between runs ('' keeps none; see flexmarl.runtime.compile_cache).
   compile_cache_dir: str = compile_cache.DEFAULT_DIR
   # Held-out evaluation (greedy pass@1, flexmarl.evaluate) before the first step, every
   # eval_every steps and after the last; 0: none. Needs a workflow with eval_queries().
