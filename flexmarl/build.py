@@ -209,7 +209,7 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
     return Limits(a.min_instances, a.max_instances, balance_group(spec, a))
   balancer = (Balancer({n: limits(n, a) for n, a in spec.agents.items()},
                        r.balance_threshold, r.balance_cooldown_s)
-              if r.balance and spec.cluster.backend == 'local' else None)
+              if r.balance and not spec.cluster.on_ray else None)
   return RolloutEngine(
       {n: a.pool for n, a in agents.items()},
       {n: a.sampling for n, a in spec.agents.items()},

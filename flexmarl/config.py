@@ -197,7 +197,7 @@ def team_spec(config: ml_collections.ConfigDict, vocab_size: int | Mapping[str, 
   width = whole_number('prompt_width_multiple',
                        config.get('prompt_width_multiple', PROMPT_WIDTH_MULTIPLE), 1)
   cluster = ClusterSpec.from_config(config.get('cluster'))
-  if cluster.backend == 'ray' and rollout.adapter_groups:
+  if cluster.on_ray and rollout.adapter_groups:
     fail('rollout.adapter_groups', [list(g) for g in rollout.adapter_groups],
          'shared adapter instances run in one process only; under Ray every agent has '
          'instances of its own: set rollout.adapter_groups=[] or --config.cluster.backend=local.')
@@ -226,7 +226,7 @@ def place_team(spec: TeamSpec, device_ids: Sequence[int]) -> TeamSpec:
     rollout = dataclasses.replace(rollout, devices=placement.mode)
     training = dataclasses.replace(training, pool_devices=placement.fitted.changes.get(
         'training.pool_devices', training.pool_devices))
-  if spec.cluster.backend == 'ray' and placement.pool:
+  if spec.cluster.on_ray and placement.pool:
     fail('cluster.backend', 'ray', f'the placement has a training pool ({len(placement.pool)} '
          'meshes shared by the agents); under Ray every agent trains on a mesh of its own: give '
          'the run enough devices (config.cluster.devices), set config.training.pool_devices=0, '

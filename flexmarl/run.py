@@ -130,7 +130,7 @@ def _start_devices(spec, started: bool):
   import jax
   from flexmarl.runtime import gpu_memory
   from flexmarl.rollout import backends
-  ray = spec.cluster.backend == 'ray'
+  ray = spec.cluster.on_ray
   engines, vllm_given = backends.get(spec.rollout.backend).engine_demand(spec)
   shares = gpu_memory.plan(engines, os.environ, vllm_given)
   if not started:

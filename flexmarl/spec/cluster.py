@@ -55,6 +55,11 @@ class ClusterSpec:
   rollout_cores: str = ''
   trainer_cores: str = ''
 
+  @property
+  def on_ray(self) -> bool:
+    """Whether the run's parts are Ray workers (`backend='ray'`), not this process's."""
+    return self.backend == 'ray'
+
   @classmethod
   def from_config(cls, values: Mapping[str, Any] | None, field: str = 'cluster') -> ClusterSpec:
     c = read_section(cls, field, values)
@@ -71,7 +76,7 @@ class ClusterSpec:
            'files under it, and socket paths over 107 bytes fail.')
     for name in ('rollout_cores', 'trainer_cores'):
       cores = parse_cores(f'{field}.{name}', getattr(c, name))
-      if cores and c.backend != 'ray':
+      if cores and not c.on_ray:
         fail(f'{field}.{name}', getattr(c, name), "only Ray workers are pinned to cores: set "
              f"{field}.backend='ray', or leave it ''.")
       if cores and not c.address:  # a cluster started here: its nodes are this machine
@@ -83,7 +88,7 @@ class ClusterSpec:
         if missing:
           fail(f'{field}.{name}', getattr(c, name), f'this machine has no core {missing[0]} '
                f'that this process may use; it may use {list(usable)}.')
-    if c.backend == 'ray':
+    if c.on_ray:
       try:
         import ray  # noqa: F401  (the check: installed with requirements.txt)
       except ImportError:
