@@ -6,11 +6,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from flexmarl.config import ConfigError, agent_config, team_spec
+from flexmarl.config import ConfigError, team_spec
 from flexmarl.rollout import backends
 from flexmarl.rollout.sampler import PendingSamples, Sampler, SamplingParams
 from flexmarl.run import train
 from flexmarl.models.tokenizer import build_char_tokenizer
+
+import test_bad_input as bad_input
 
 
 class Counted:
@@ -60,15 +62,8 @@ def fake(monkeypatch):
 
 def small_config(steps: int = 2) -> ml_collections.ConfigDict:
   """One agent answering sums on the fake backend."""
-  c = ml_collections.ConfigDict()
-  c.seed, c.steps, c.schedule, c.tokenizer = 0, steps, 'sync', 'char'
-  c.max_prompt_len, c.checkpoint_every = 6, 1
-  c.workflow = dict(name='single_task', agent='solver', family='add',
-                    task_args={'max_operand': 4})
-  c.rollout = dict(query_concurrency=2, max_step_queries=2, devices='shared', backend='fake')
-  c.agents = dict(solver=agent_config('tiny', group_size=4, global_batch=8, micro_batch=8,
-                                      sampling=dict(temperature=1.0, top_p=1.0,
-                                                    max_new_tokens=2)))
+  c = bad_input.small_config(steps)
+  c.rollout.backend = 'fake'
   return c
 
 

@@ -22,21 +22,14 @@ from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer
 from flexmarl.runtime.workdir import WorkdirError
 from flexmarl.workflows.base import Episode, Query
 
+import test_bad_input as bad_input
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_config() -> ml_collections.ConfigDict:
-  """One agent answering sums with the char tokenizer, a runlocal-sized run."""
-  c = ml_collections.ConfigDict()
-  c.seed, c.steps, c.schedule, c.tokenizer = 0, 1, 'sync', 'char'
-  c.max_prompt_len, c.checkpoint_every = 6, 1
-  c.workflow = dict(name='single_task', agent='solver', family='add',
-                    task_args={'max_operand': 4})
-  c.rollout = dict(query_concurrency=2, max_step_queries=2, devices='shared')
-  c.agents = dict(solver=agent_config('tiny', group_size=4, global_batch=8, micro_batch=8,
-                                      sampling=dict(temperature=1.0, top_p=1.0,
-                                                    max_new_tokens=2)))
-  return c
+  """One agent answering sums with the char tokenizer, one step."""
+  return bad_input.small_config(steps=1)
 
 
 class ChatFlow:
