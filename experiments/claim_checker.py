@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 import numpy as np
 
-from flexmarl.config import agent_config, cluster_config, rollout_config
 from flexmarl import tasks
+from flexmarl.config import agent_config, cluster_config, rollout_config
 from flexmarl.workflows.base import AgentClient, Episode, Query
 
 MAX_OPERAND = 2

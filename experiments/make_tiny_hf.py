@@ -14,8 +14,8 @@ import sys
 from flax import nnx
 
 from flexmarl.models import hf
-from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.models.tokenizer import build_char_tokenizer
+from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 
 
 def make(out_dir: str, seed: int = 0) -> str:

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from flexmarl.core.clock import Clock, RealClock
 from flexmarl.config import AgentSpec
-from flexmarl.data.groups import Group
+from flexmarl.core.clock import Clock, RealClock
 from flexmarl.core.interfaces import Checkpointer, Stats, Trainer, Weights
+from flexmarl.data.groups import Group
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE

@@ -19,17 +19,18 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.agent import Agent
-from flexmarl.core.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
-from flexmarl.data.journal import Journal
+from flexmarl.core.clock import Clock
 from flexmarl.core.interfaces import Checkpointer, Trainer, Weights
+from flexmarl.data.journal import Journal
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
 from flexmarl.models import hf, peft, sharding, transformer
+from flexmarl.models.tokenizer import TextTokenizer, per_agent
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.orchestrator import JointOrchestrator
+from flexmarl.placement import plan as placement_lib
 from flexmarl.rollout import backends
 from flexmarl.rollout.backends import MakeSampler, MakeShared
 from flexmarl.rollout.balancer import Balancer, Limits
@@ -38,7 +39,6 @@ from flexmarl.rollout.pool import Instance, InstancePool, Retarget
 from flexmarl.rollout.sampler import Sampler
 from flexmarl.schedules import Schedule, make_schedule
 from flexmarl.store.experience_store import ExperienceStore
-from flexmarl.models.tokenizer import TextTokenizer, per_agent
 from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer
 from flexmarl.train.engine import TrainingEngine

@@ -16,20 +16,20 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from flexmarl.runtime import compile_cache
+from flexmarl.core.errors import ConfigError
+from flexmarl.data.sample_id import parse_sample_id
+from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.placement import plan as placement_lib
 from flexmarl.placement import fit as placement_fit
-from flexmarl.spec.agent import AgentSpec, agent_config
-from flexmarl.spec.cluster import ClusterSpec, cluster_config
-from flexmarl.core.errors import ConfigError
-from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.rollout import backends
 from flexmarl.rollout.spec import RolloutSpec, rollout_config
-from flexmarl.data.sample_id import parse_sample_id
+from flexmarl.runtime import compile_cache
+from flexmarl.spec.agent import AgentSpec, agent_config
+from flexmarl.spec.cluster import ClusterSpec, cluster_config
 from flexmarl.spec.team import TeamSpec
+from flexmarl.spec.validate import check_finite, fail, one_of, whole_number
 from flexmarl.train import shared_base, sizing
 from flexmarl.train.spec import TrainingSpec, training_config
-from flexmarl.spec.validate import check_finite, fail, one_of, whole_number
 
 ON_POLICY_SCHEDULES = ('sync', 'sync_parallel', 'flexmarl')  # staleness 0, same parameters
 SCHEDULES = (*ON_POLICY_SCHEDULES, 'async:k')

@@ -27,12 +27,12 @@ from flax import nnx
 from flexmarl.config import agent_spec
 from flexmarl.core.errors import ConfigError
 from flexmarl.models import hf, lora, peft, transformer
-from flexmarl.run import quiet_logging
 from flexmarl.models.tokenizer import load_tokenizer
+from flexmarl.run import quiet_logging
+from flexmarl.runtime.workdir import WorkdirError
 from flexmarl.train import shared_base
 from flexmarl.train.checkpoint import AgentCheckpointer, saved_steps
 from flexmarl.train.optimizer import make_optimizer
-from flexmarl.runtime.workdir import WorkdirError
 
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
 _DTYPE = flags.DEFINE_string('dtype', None, 'Cast the weights, e.g. bfloat16 (default: as trained).')

@@ -26,15 +26,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.runtime import memory
 from flexmarl.agent import Agent
-from flexmarl.core.clock import Clock
 from flexmarl.config import TeamSpec
+from flexmarl.core.clock import Clock
+from flexmarl.core.interfaces import Stats
 from flexmarl.data.groups import Group, groups_of
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
-from flexmarl.rollout.held_out import evaluate, format_eval
-from flexmarl.core.interfaces import Stats
-from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.metrics import spans, utilization
 from flexmarl.metrics.no_update import UpdateWatch
 from flexmarl.metrics.stall import StallWatch
@@ -43,7 +40,10 @@ from flexmarl.metrics.summary import format_step, write_summary
 from flexmarl.metrics.team import team_line
 from flexmarl.metrics.writer import TEAM, MetricsWriter
 from flexmarl.rollout.engine import RolloutEngine
+from flexmarl.rollout.held_out import evaluate, format_eval
 from flexmarl.rollout.stream import RolloutStream
+from flexmarl.runtime import memory
+from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.schedules import Lines, Schedule, StepResult
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow

@@ -34,10 +34,10 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ContextManager, Protocol
 
-from flexmarl.core.clock import Clock
 from flexmarl.config import AgentSpec, TeamSpec
-from flexmarl.data.groups import BatchBuilder, ConstantBaseline, Group, StaleBuffer, batch_stats
+from flexmarl.core.clock import Clock
 from flexmarl.core.interfaces import Stats
+from flexmarl.data.groups import BatchBuilder, ConstantBaseline, Group, StaleBuffer, batch_stats
 
 Lines = dict[str, dict[str, float]]
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from flexmarl.config import ConfigError, team_spec
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.rollout import backends
 from flexmarl.rollout.sampler import PendingSamples, Sampler, SamplingParams
 from flexmarl.run import train
-from flexmarl.models.tokenizer import build_char_tokenizer
 
 import test_bad_input as bad_input
 

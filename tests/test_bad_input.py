@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from experiments import hierarchical_assistant
+from flexmarl import tasks
 from flexmarl.config import ConfigError, agent_config
-from flexmarl.run import build, train
 from flexmarl.models.tokenizer import build_char_tokenizer
+from flexmarl.run import build, train
 from flexmarl.runtime import workdir as workdirs
 from flexmarl.runtime.workdir import WorkdirError
-from flexmarl import tasks
 from flexmarl.workflows.base import Completion, Episode, Query
 from flexmarl.workflows.checks import WorkflowError, check_episode, dry_run
 

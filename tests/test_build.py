@@ -9,14 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.build import Factories, build_orchestrator, build_team
-from flexmarl.core.clock import RealClock
 from flexmarl.config import build_team_spec
+from flexmarl.core.clock import RealClock
 from flexmarl.core.interfaces import Weights
 from flexmarl.metrics.writer import TEAM
-from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.models.tokenizer import build_char_tokenizer
+from flexmarl.placement import plan as placement_lib
+from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.workflows import build_workflow
 from test_team import two_agent_config
 

@@ -14,12 +14,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
-from flexmarl.spec.cluster import ClusterSpec, cluster_config, parse_cores
 from flexmarl.config import ConfigError, build_team_spec
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.placement import plan as placement_lib
 from flexmarl.run import train
+from flexmarl.spec.cluster import ClusterSpec, cluster_config, parse_cores
 from flexmarl.store.experience_store import ExperienceStore
 from test_team import two_agent_config
 

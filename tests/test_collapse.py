@@ -13,10 +13,10 @@ from experiments import claim_checker
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.run import train
+from flexmarl.tasks import partial_credit
 from flexmarl.train import collapse, credit, grpo
 from flexmarl.train.spec import GRPOConfig
 from flexmarl.workflows.base import Episode, Query
-from flexmarl.tasks import partial_credit
 
 Y, N = np.array([5, 1]), np.array([6, 1])  # two answers' token ids
 

@@ -6,10 +6,10 @@ import concurrent.futures
 import numpy as np
 import pytest
 
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import SampleBatch, SamplingParams
-from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
 from flexmarl.workflows.checks import WorkflowError
 

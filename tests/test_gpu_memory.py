@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from experiments import hierarchical_assistant
-from flexmarl.runtime import gpu_memory as gm
 from flexmarl.config import build_team_spec
-from flexmarl.rollout import vllm_check
 from flexmarl.core.errors import ConfigError
 from flexmarl.models.tokenizer import build_char_tokenizer
+from flexmarl.rollout import vllm_check
+from flexmarl.runtime import gpu_memory as gm
 from flexmarl.train.sizing import param_count, state_nbytes
 from flexmarl.workflows import build_workflow
 

@@ -15,13 +15,13 @@ torch = pytest.importorskip('torch', reason='HF parity tests need torch (require
 transformers = pytest.importorskip('transformers', reason='HF parity tests need transformers')
 
 from flexmarl import config as config_lib  # noqa: E402
+from flexmarl import tasks  # noqa: E402
 from flexmarl.export import export  # noqa: E402
 from flexmarl.models import hf, sharding, transformer  # noqa: E402
+from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.train.checkpoint import AgentCheckpointer  # noqa: E402
 from flexmarl.train.trainer import AgentTrainer  # noqa: E402
-from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
-from flexmarl import tasks  # noqa: E402
 
 VOCAB = 48
 CASES = {

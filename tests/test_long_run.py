@@ -10,9 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from flexmarl.runtime import workdir
 from flexmarl.agent import Agent
-from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.core.clock import SimClock
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
@@ -25,6 +23,8 @@ from flexmarl.rollout import pool as pool_lib
 from flexmarl.rollout.pool import InstancePool
 from flexmarl.rollout.sampler import SampleBatch
 from flexmarl.rollout.spec import SamplingParams
+from flexmarl.runtime import workdir
+from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.train import engine as engine_lib
 from flexmarl.train import credit, grpo
 from flexmarl.train.state import Transfer

@@ -13,17 +13,17 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from flexmarl.runtime import memory
-from flexmarl.spec.agent import AgentSpec
 from flexmarl.config import ConfigError, agent_config, build_team_spec
 from flexmarl.export import export
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import hf, lora, peft, sharding, transformer
 from flexmarl.models.lora import LoRAConfig
+from flexmarl.models.tokenizer import load_tokenizer
 from flexmarl.models.transformer import PRESETS, Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.run import build, train
-from flexmarl.models.tokenizer import load_tokenizer
+from flexmarl.runtime import memory
+from flexmarl.spec.agent import AgentSpec
 from flexmarl.train import grpo, shared_base, sizing
 from flexmarl.train import state as state_lib
 from flexmarl.train.checkpoint import AgentCheckpointer

@@ -2,9 +2,9 @@
 
 import pytest
 
+from flexmarl.core.errors import ConfigError
 from flexmarl.placement import plan as pl
 from flexmarl.placement.fit import fit
-from flexmarl.core.errors import ConfigError
 from flexmarl.run import train
 from test_team import two_agent_config
 

@@ -17,8 +17,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from flexmarl.config import ConfigError, agent_config, agent_spec
-from flexmarl.run import build
 from flexmarl.models.tokenizer import build_char_tokenizer, load_tokenizer
+from flexmarl.run import build
 from flexmarl.runtime.workdir import WorkdirError
 from flexmarl.workflows.base import Episode, Query
 

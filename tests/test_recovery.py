@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.metrics.stall import StallWatch
 from flexmarl.metrics.summary import write_summary
 from flexmarl.metrics.writer import MetricsWriter
+from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.store.experience_store import ExperienceStore, Row
 from flexmarl.train.checkpoint import AgentCheckpointer, CheckpointError, restore_latest
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from flexmarl.agent import Agent
-from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.data.groups import Group
 from flexmarl.data.records import ServedGroup
 from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout.pool import InstancePool
+from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.train import replay
 from flexmarl.train.loss import response_logprobs
 from flexmarl.train.spec import GRPOConfig

@@ -10,8 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from flexmarl.data.journal import Journal
-from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.run import train
 from flexmarl.store.experience_store import ExperienceStore
 from flexmarl.train.checkpoint import AgentCheckpointer
 from test_team import two_agent_config

@@ -12,13 +12,13 @@ import numpy as np
 from flax import nnx
 import pytest
 
+from flexmarl.core.interfaces import Weights
 from flexmarl.models import sharding, transformer
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.rollout import balancer as bal
 from flexmarl.rollout.engine import RolloutEngine
-from flexmarl.core.interfaces import Weights
 from flexmarl.rollout.pool import Instance, InstancePool, Request, least_loaded
 from flexmarl.rollout.sampler import EmbeddedSampler, SampleBatch, SamplingParams, sample_key
-from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.workflows.base import Episode, Query
 
 TOK = build_char_tokenizer()

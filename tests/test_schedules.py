@@ -8,8 +8,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from flexmarl.run import build, train
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.run import build, train
 from test_team import two_agent_config
 
 STEPS = 4

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flexmarl import tasks
 from flexmarl.agent import check_served_logprobs
 from flexmarl.config import agent_config, rollout_config
+from flexmarl.data.sample_id import parse_sample_id
 from flexmarl.export import export
 from flexmarl.models import hf, transformer
+from flexmarl.models.tokenizer import BOS, build_char_tokenizer, load_tokenizer
 from flexmarl.rollout.engine import Answer, RolloutEngine, finish
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams
 from flexmarl.run import train
-from flexmarl.data.sample_id import parse_sample_id
-from flexmarl.models.tokenizer import BOS, build_char_tokenizer, load_tokenizer
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs
-from flexmarl import tasks
 from flexmarl.workflows.base import Episode, Query
 
 torch = pytest.importorskip('torch', reason='serving tests need torch (requirements-vllm.txt)')

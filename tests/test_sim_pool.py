@@ -19,11 +19,11 @@ from flexmarl.build import build_orchestrator
 from flexmarl.core.clock import SimClock
 from flexmarl.core.errors import ConfigError
 from flexmarl.metrics.writer import TEAM
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.sim.devices import DeviceGroup
 from flexmarl.sim.team import sim_factories, sim_team_spec
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import FILLER, RouterWorkflow
-from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.pool_meshes import PoolMesh, inline
 from flexmarl.train.state import InStorage, OnHost, OnMesh

@@ -7,11 +7,11 @@ import tempfile
 import ml_collections
 import pytest
 
-from flexmarl.core.clock import SimClock
 from flexmarl.build import build_orchestrator
+from flexmarl.core.clock import SimClock
+from flexmarl.models.tokenizer import build_char_tokenizer
 from flexmarl.sim.run import simulate
 from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow
-from flexmarl.models.tokenizer import build_char_tokenizer
 
 # Router `a` then specialist `b`, one query at a time, one instance each; 2 queries fill
 # both batches (group 2, global batch 4, micro-batch 2 = one group).

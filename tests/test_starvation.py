@@ -8,11 +8,11 @@ import ml_collections
 import pytest
 
 from flexmarl import orchestrator
+from flexmarl import tasks
 from flexmarl.config import agent_config, rollout_config
 from flexmarl.metrics.starvation import StarvationWatch
 from flexmarl.metrics.writer import TEAM, read_metrics
 from flexmarl.run import train
-from flexmarl import tasks
 from flexmarl.workflows.base import Episode, Query
 
 

@@ -8,8 +8,8 @@ import ml_collections
 import pytest
 
 from flexmarl.config import agent_config, rollout_config
-from flexmarl.run import train
 from flexmarl.metrics.writer import read_metrics
+from flexmarl.run import train
 
 STEPS = 80  # enough for both agents' rewards to rise by well over 0.2
 REQUIRED = {'step', 'agent', 'reward_mean', 'reward_std', 'accuracy', 'tokens',

@@ -14,8 +14,8 @@ from flexmarl.models import sharding
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.train import grpo
 from flexmarl.train import state as state_lib
-from flexmarl.train.state import InStorage, OnHost
 from flexmarl.train.allocator import FreeMesh, Waiting, allocate
+from flexmarl.train.state import InStorage, OnHost
 from flexmarl.train.step import StepCache
 from flexmarl.train.trainer import AgentTrainer, OptimizerConfig, TrainBatch
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from experiments import hierarchical_assistant
-from flexmarl.core.clock import RealClock
 from flexmarl.config import ConfigError, build_team_spec, training_config
+from flexmarl.core.clock import RealClock
 from flexmarl.main import train
 from flexmarl.metrics.writer import read_metrics
 from flexmarl.models import sharding

@@ -17,6 +17,7 @@ pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requir
 from flexmarl.build import retarget_in_place  # noqa: E402
 from flexmarl.core.interfaces import Weights  # noqa: E402
 from flexmarl.models import hf  # noqa: E402
+from flexmarl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
 from flexmarl.rollout import vllm_weights  # noqa: E402
 from flexmarl.rollout.pool import Instance, InstancePool  # noqa: E402
@@ -24,7 +25,6 @@ from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
 from flexmarl.rollout.spec import engine_config  # noqa: E402
 from flexmarl.rollout.vllm_engine import cpu_threads, huge_pages_advice, row_seed  # noqa: E402
 from flexmarl.rollout.vllm_sampler import VLLMEngineConfig, VLLMSampler  # noqa: E402
-from flexmarl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from flexmarl.train.batch import TrainBatch  # noqa: E402
 from flexmarl.train.loss import response_logprobs  # noqa: E402
 

@@ -19,9 +19,9 @@ pytest.importorskip('vllm', reason='vLLM is not installed (pip install -r requir
 from flexmarl.config import ConfigError, build_team_spec  # noqa: E402
 from flexmarl.models import lora  # noqa: E402
 from flexmarl.models.transformer import Decoder, ModelConfig  # noqa: E402
+from flexmarl.rollout import vllm_check  # noqa: E402
 from flexmarl.rollout.pool import Instance  # noqa: E402
 from flexmarl.rollout.sampler import SamplingParams, sample_key  # noqa: E402
-from flexmarl.rollout import vllm_check  # noqa: E402
 from flexmarl.rollout.vllm_sampler import (VLLMEngineConfig, VLLMSampler,  # noqa: E402
                                            VLLMSharedAdapters)
 from flexmarl.models.tokenizer import build_char_tokenizer  # noqa: E402

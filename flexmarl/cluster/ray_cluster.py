@@ -6,8 +6,8 @@ import json
 import os
 from typing import Any
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.cluster import nodes as nodes_lib
+from flexmarl.placement import plan as placement_lib
 from flexmarl.spec.cluster import ClusterSpec
 
 

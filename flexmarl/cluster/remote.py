@@ -19,18 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.build import Factories
 from flexmarl.cluster import nodes as nodes_lib
 from flexmarl.cluster.workers import RolloutWorker, TrainerJob, TrainerRank, WeightsMissing
-from flexmarl.spec.cluster import ClusterSpec
 from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.core.interfaces import RemoteState, Stats, Weights
 from flexmarl.metrics import spans
 from flexmarl.metrics.timeline import Timeline
+from flexmarl.models.tokenizer import TextTokenizer
+from flexmarl.placement import plan as placement_lib
 from flexmarl.rollout.backends import MakeSampler
 from flexmarl.rollout.sampler import PendingSamples, SampleBatch, Sampler, SamplingParams
-from flexmarl.models.tokenizer import TextTokenizer
+from flexmarl.spec.cluster import ClusterSpec
 from flexmarl.train import sizing
 
 

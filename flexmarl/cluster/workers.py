@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.config import AgentSpec, TeamSpec
+from flexmarl.core.interfaces import Weights
+from flexmarl.models.tokenizer import TextTokenizer
+from flexmarl.rollout import backends
+from flexmarl.rollout.sampler import SampleBatch, SamplingParams
 from flexmarl.runtime import compile_cache
 from flexmarl.runtime import malloc
 from flexmarl.spec.cluster import parse_cores
-from flexmarl.config import AgentSpec, TeamSpec
-from flexmarl.core.interfaces import Weights
-from flexmarl.rollout import backends
-from flexmarl.rollout.sampler import SampleBatch, SamplingParams
-from flexmarl.models.tokenizer import TextTokenizer
 
 
 class WeightsMissing(RuntimeError):

@@ -21,20 +21,20 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from flexmarl.spec.agent import AgentSpec
 from flexmarl.core.errors import ConfigError
 from flexmarl.core.interfaces import Weights
 from flexmarl.models import sharding, transformer
+from flexmarl.models.tokenizer import TextTokenizer
 from flexmarl.models.transformer import ModelConfig
 from flexmarl.rollout import vllm_check
 from flexmarl.rollout.adapters import AdapterSampler, SharedAdapterSampler
 from flexmarl.rollout.sampler import EmbeddedSampler, Sampler, compile_generate
 from flexmarl.rollout.spec import RolloutSpec, engine_config
+from flexmarl.spec.agent import AgentSpec
 from flexmarl.spec.team import TeamSpec
-from flexmarl.models.tokenizer import TextTokenizer
+from flexmarl.spec.validate import fail
 from flexmarl.train.sizing import param_count
 from flexmarl.train.trainer import AgentTrainer
-from flexmarl.spec.validate import fail
 
 # (devices, weights) -> a sampler of one agent's model on those devices serving them.
 MakeSampler = Callable[[tuple[int, ...], Weights], Sampler]

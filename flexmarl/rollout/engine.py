@@ -24,11 +24,11 @@ import numpy as np
 from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
+from flexmarl.models.tokenizer import Prompt, TextTokenizer
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
-from flexmarl.models.tokenizer import Prompt, TextTokenizer
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import check_episode, run_error, timeout_error
 

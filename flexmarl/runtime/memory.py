@@ -6,8 +6,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping
 
-from flexmarl.spec.agent import AgentSpec
 from flexmarl.placement.plan import Placement
+from flexmarl.spec.agent import AgentSpec
 from flexmarl.train import sizing
 
 

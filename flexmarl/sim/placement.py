@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.core.errors import ConfigError
+from flexmarl.placement import plan as placement_lib
 from flexmarl.train.pool_meshes import PoolMesh
 
 

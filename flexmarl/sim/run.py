@@ -38,11 +38,11 @@ import time
 import ml_collections
 import numpy as np
 
+from flexmarl.build import build_orchestrator
 from flexmarl.core.clock import SimClock
 from flexmarl.metrics.spans import Span, SpanRecorder
 from flexmarl.metrics.utilization import Usage, critical_path, group_usage, track_usage
 from flexmarl.metrics.writer import TEAM
-from flexmarl.build import build_orchestrator
 from flexmarl.sim.placement import train_tracks
 from flexmarl.sim.team import sim_factories, sim_team_spec, sim_workflow
 from flexmarl.sim.tokenizer import FastCharTokenizer

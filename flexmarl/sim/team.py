@@ -39,12 +39,13 @@ import inspect
 
 import ml_collections
 
-from flexmarl.placement import plan as placement_lib
 from flexmarl.build import Factories
-from flexmarl.core.clock import SimClock
 from flexmarl.config import TeamSpec, agent_config, build_team_spec, rollout_config
+from flexmarl.core.clock import SimClock
 from flexmarl.core.errors import ConfigError
 from flexmarl.models import sharding
+from flexmarl.models.tokenizer import TextTokenizer
+from flexmarl.placement import plan as placement_lib
 from flexmarl.rollout.sampler import EmbeddedSampler
 from flexmarl.sim import costs, specs
 from flexmarl.sim.cores import SharedCores
@@ -53,7 +54,6 @@ from flexmarl.sim.instances import SimSampler
 from flexmarl.sim.placement import pool_meshes, sim_placement, train_tracks
 from flexmarl.sim.trainer import Link, SimMesh, SimTrainer
 from flexmarl.sim.workflow import RouterWorkflow
-from flexmarl.models.tokenizer import TextTokenizer
 from flexmarl.train.engine import TrainingEngine
 from flexmarl.train.pool_meshes import inline
 

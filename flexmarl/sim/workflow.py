@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.workflows.base import AgentClient, Completion, Episode, Query
 from flexmarl.tasks import zipf_probs
+from flexmarl.workflows.base import AgentClient, Completion, Episode, Query
 
 FILLER = 'a'
 

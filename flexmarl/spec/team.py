@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from flexmarl.runtime import compile_cache
+from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.placement import plan as placement_lib
+from flexmarl.rollout.spec import RolloutSpec
+from flexmarl.runtime import compile_cache
 from flexmarl.spec.agent import AgentSpec
 from flexmarl.spec.cluster import ClusterSpec
-from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
-from flexmarl.rollout.spec import RolloutSpec
 from flexmarl.train.spec import TrainingSpec
 
 

@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.workflows.base import AgentClient, Completion, Episode, Query, ordered_pairs
 from flexmarl.tasks.gym import GymTask
+from flexmarl.workflows.base import AgentClient, Completion, Episode, Query, ordered_pairs
 
 ANSWER_ONLY = 'Reply with the final answer only.'
 

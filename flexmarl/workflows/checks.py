@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flexmarl.data.sample_id import sample_id
 from flexmarl.core.errors import ConfigError
+from flexmarl.data.sample_id import sample_id
 from flexmarl.models.tokenizer import Prompt, check_messages
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow, reward_value
 
