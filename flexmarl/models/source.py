@@ -2,7 +2,8 @@
 
 A checkpoint (`agents.NAME.model.checkpoint`, `config.tokenizer`) is one of:
 - GGUF: a `.gguf` file, or `package:NAME` for the one GGUF file an installed package
-  ships (models/gguf.py reads it, dequantizing on the way);
+  ships, or that packages NAME-part1..N ship split, joined once into a cache folder
+  (models/gguf_parts.py); models/gguf.py reads it, dequantizing on the way;
 - FOLDER: a Hugging Face model folder (config.json, *.safetensors, tokenizer files), such
   as `python -m flexmarl.export` writes;
 - HUB: a Hugging Face Hub id, `ORG/NAME`, where no such local path exists: fetched once
