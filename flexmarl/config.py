@@ -18,6 +18,7 @@ import ml_collections
 
 from flexmarl.core.errors import ConfigError
 from flexmarl.data.sample_id import parse_sample_id
+from flexmarl.models import source
 from flexmarl.models.layout import PROMPT_WIDTH_MULTIPLE
 from flexmarl.placement import plan as placement_lib
 from flexmarl.placement import fit as placement_fit
@@ -58,8 +59,15 @@ def parse_schedule(value: str) -> tuple[str, int]:
 
 
 def tokenizer_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
-  """Each agent's tokenizer: its own `agents.NAME.tokenizer`, else the team's."""
-  return {name: a.get('tokenizer') or config.tokenizer for name, a in config.agents.items()}
+  """Each agent's tokenizer: its own `agents.NAME.tokenizer`; else the one its
+  `model.checkpoint` carries (a GGUF file's, an HF folder's tokenizer.json), so an agent of
+  another model family speaks through its own; else the team's `config.tokenizer`."""
+  def path(agent: ml_collections.ConfigDict) -> str:
+    checkpoint = agent.get('model', {}).get('checkpoint', '')
+    if agent.get('tokenizer'):
+      return agent.tokenizer
+    return checkpoint if checkpoint and source.carries_tokenizer(checkpoint) else config.tokenizer
+  return {name: path(a) for name, a in config.agents.items()}
 
 
 def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:

@@ -95,10 +95,11 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
 
 
 def _load_tokenizers(config) -> tuple[dict, dict]:
-  """({agent: its tokenizer}, {path: tokenizer}): an agent's own `agents.NAME.tokenizer`,
-  else the team's `config.tokenizer` (each file loaded once)."""
+  """({agent: its tokenizer}, {path: tokenizer}): each agent's (`config.tokenizer_paths`:
+  its own, its checkpoint's, else the team's), each file loaded once."""
+  from flexmarl.config import tokenizer_paths
   from flexmarl.models.tokenizer import load_tokenizer
-  paths = {name: a.get('tokenizer') or config.tokenizer for name, a in config.agents.items()}
+  paths = tokenizer_paths(config)
   loaded = {path: load_tokenizer(path) for path in {config.tokenizer, *paths.values()}}
   return {name: loaded[path] for name, path in paths.items()}, loaded
 

@@ -57,6 +57,15 @@ def identity(checkpoint: str) -> str:
   return os.path.realpath(checkpoint)
 
 
+def carries_tokenizer(checkpoint: str) -> bool:
+  """Whether the checkpoint holds its own tokenizer: a GGUF file always does (and is
+  refused when it cannot be read), a folder when it has tokenizer.json."""
+  if kind(checkpoint) == GGUF:
+    return True
+  folder = local(checkpoint)
+  return os.path.isfile(os.path.join(folder, 'tokenizer.json'))
+
+
 def _from_hub(repo_id: str) -> str:
   """The cached snapshot folder of hub model `repo_id`, fetched where it is missing."""
   from huggingface_hub import constants, snapshot_download

@@ -83,9 +83,9 @@ class AgentSpec:
   min_instances: int  # the balancer never takes the agent below this
   max_instances: int  # ... nor above this
   instance_devices: tuple[tuple[int, ...], ...]  # explicit, one tuple per instance, or ()
-  # The agent's own tokenizer ('char', an HF folder or tokenizer.json); '' takes the
-  # team's config.tokenizer. Agents from checkpoints of different model families each
-  # name their checkpoint's.
+  # The agent's own tokenizer ('char', an HF folder or tokenizer.json); '' takes the one
+  # its model.checkpoint carries (GGUF, or a folder with tokenizer.json), else the team's
+  # config.tokenizer: agents of different model families each speak through their own.
   tokenizer: str = ''
   group_size: int = 8
   global_batch: int = 64  # rows (samples) per optimizer step
