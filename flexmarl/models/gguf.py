@@ -44,6 +44,10 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {'token_embd.weight': 'model.embed_tokens.weight',
               'output_norm.weight': 'model.norm.weight', 'output.weight': 'lm_head.weight'}
 _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, <|endoftext|>, ...)
+# llama.cpp's pre-tokenizer 'qwen2' (Qwen2's own tokenizer.json): unlike GPT-2's, digits one
+# by one, a letter run keeps one leading symbol ('(x'), and line breaks split apart.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def resolve(checkpoint: str) -> str:
@@ -202,7 +206,7 @@ def tensor_reader(checkpoint: str, cfg) -> dict[str, Callable[[], np.ndarray]]:
 def tokenizer_parts(checkpoint: str):
   """(HF `tokenizers.Tokenizer`, tokenizer_config dict) of the file's byte-level BPE
   vocabulary: its merges, its control tokens as special tokens, its chat template."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
   architecture(checkpoint)  # a file of another model is refused as such, here too
   meta = metadata(checkpoint)
   kind = meta.get('tokenizer.ggml.model')
@@ -218,6 +222,9 @@ def tokenizer_parts(checkpoint: str):
   split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
   if meta.get('tokenizer.ggml.pre') == 'smollm':  # llama.cpp's smollm: digits one by one
     split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+  elif meta.get('tokenizer.ggml.pre') == 'qwen2':
+    split = [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), 'isolated'),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
   tok.pre_tokenizer = pre_tokenizers.Sequence(split)
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
