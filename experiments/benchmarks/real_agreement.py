@@ -106,12 +106,12 @@ def main(argv) -> None:
   if all(os.path.isdir(os.path.join(f, 'adapter')) for f in folders.values()):
     import peft
     from flexmarl.models import source
-    checkpoint = config.agents[next(iter(limits))].model.checkpoint
-    local = source.local(checkpoint)
-    folder, name = os.path.split(local) if source.kind(checkpoint) == source.GGUF else (
-        local, None)
     adapters = {}
-    for a, f in folders.items():
+    for a, f in folders.items():  # each agent on its own checkpoint (a team may mix families)
+      checkpoint = config.agents[a].model.checkpoint
+      local = source.local(checkpoint)
+      folder, name = os.path.split(local) if source.kind(checkpoint) == source.GGUF else (
+          local, None)
       base = transformers.AutoModelForCausalLM.from_pretrained(
           folder, gguf_file=name, dtype=torch.float32)
       adapters[a] = _hf_answer(peft.PeftModel.from_pretrained(base, os.path.join(f, 'adapter')),
