@@ -216,7 +216,8 @@ def rollout_engine(spec: TeamSpec, agents: Mapping[str, Agent],
       {n: a.group_size for n, a in spec.agents.items()}, tokenizers, spec.seed,
       clock=clock, concurrency=r.query_concurrency,
       max_batch=r.max_batch, balancer=balancer, query_timeout_s=r.query_timeout_s,
-      recorder=recorder)
+      recorder=recorder, max_prompt_len=spec.max_prompt_len,
+      context_overflow=r.context_overflow)
 
 
 def build_orchestrator(spec: TeamSpec, workflow, tokenizer: TextTokenizer | Mapping[str, TextTokenizer],

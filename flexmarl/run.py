@@ -112,9 +112,12 @@ def _check_workflow_runs(spec, workflow, tokenizers) -> list[str]:
   from flexmarl.core.errors import ConfigError
   from flexmarl.rollout.held_out import has_held_out
   from flexmarl.metrics.no_update import start_warnings
+  from flexmarl.train.credit import check_credit
   from flexmarl.workflows.checks import check_workflow
+  episodes: list = []
   requests = check_workflow(workflow, {n: a.group_size for n, a in spec.agents.items()},
-                            spec.seed)
+                            spec.seed, episodes)
+  check_credit(requests, episodes, {n: a.grpo.credit for n, a in spec.agents.items()})
   check_prompt_lengths(requests, tokenizers, spec.max_prompt_len)
   if spec.eval_every and not has_held_out(workflow):
     raise ConfigError(f'config.eval_every={spec.eval_every}: the workflow '

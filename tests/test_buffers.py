@@ -89,12 +89,15 @@ def test_a_call_scored_with_two_expected_answers_is_refused():
   from flexmarl.data.groups import groups_of
   from flexmarl.data.records import EpisodeResult
   from flexmarl.workflows.base import Completion, Episode, Query
+
+  def _rewards_as_advantages(result, agent):
+    return [np.array([result.episode.rewards[s] for s in g.sample_ids]) for g in result.served]
   g = _group(0, 2)
   episode = Episode()
   for sid, truth in zip(g.served.sample_ids, ['3', '4']):
     episode.score(Completion(sid, 'solver', '3', 0), 1.0, True, expected=truth)
   result = EpisodeResult(Query('q0', '1+2'), 0, [g.served], episode)
   with pytest.raises(ValueError, match=r"different expected answers \['3', '4'\]"):
-    groups_of(result, {'solver': lambda r: r})
+    groups_of(result, {'solver': _rewards_as_advantages})
   episode.expected[g.served.sample_ids[1]] = '3'
-  assert groups_of(result, {'solver': lambda r: r})['solver'][0].expected == '3'
+  assert groups_of(result, {'solver': _rewards_as_advantages})['solver'][0].expected == '3'

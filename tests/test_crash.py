@@ -90,3 +90,26 @@ def test_a_kill_between_a_checkpoint_and_its_consumed_marks_loses_no_mark(tmp_pa
   assert rc == 0, out[-3000:]
   assert crash.resumed_from(out) == 3
   assert crash.Checks(crashed).at_end(straight('flexmarl')) == []
+
+
+# The multi-turn team (experiments/rounds_team.py:toy): a solver and a checker in rounds,
+# attempts side by side, credit by episode; the same invariants after two kills.
+ROUNDS = ('--config=experiments/rounds_team.py:toy', f'--config.steps={crash.STEPS}',
+          '--config.checkpoint_every=3', '--config.eval_every=0',
+          '--config.rollout.query_concurrency=4', '--config.rollout.max_step_queries=5')
+
+
+def test_a_team_in_turns_resumes_after_sigkill_as_if_never_killed(tmp_path):
+  straight, crashed = str(tmp_path / 'straight'), str(tmp_path / 'crashed')
+  rc, out = crash.run_main(straight, ROUNDS, xla_flags=FAST_COMPILE)
+  assert rc == 0, out[-3000:]
+  checks = crash.Checks(crashed)
+  for kill_after, delay in ((4, 0.1), (8, 0.25)):
+    rc, out = crash.run_main(crashed, ROUNDS, kill_after_step=kill_after, delay=delay,
+                             xla_flags=FAST_COMPILE)
+    assert rc == -9, f'killed after step {kill_after}: rc={rc}\n{out[-3000:]}'
+    assert not checks.after_run()
+  rc, out = crash.run_main(crashed, ROUNDS, xla_flags=FAST_COMPILE)
+  assert rc == 0, out[-3000:]
+  assert crash.resumed_from(out) > 0
+  assert checks.at_end(straight) == []

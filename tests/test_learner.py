@@ -61,7 +61,8 @@ def test_the_learner_saves_and_restores_its_state():
   served = ServedGroup('q0', 0, 'a', 0, [1, 2], [f'q0_0_{j}' for j in range(4)],
                        [np.array([5, 1])] * 4, [np.zeros(2, np.float32)] * 4)
   rewards = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
-  group = Group(served, rewards, learner.advantages(rewards), np.array([1.0, 0, 0, 0]), 'y')
+  group = Group(served, rewards, credit.group_advantages(rewards, 4), np.array([1.0, 0, 0, 0]),
+                'y')
   learner.micro_batch([group], version=0)
   plan = learner.update([group])
   assert plan.takes_step and not plan.reset and plan.stats['replayed'] == 0.0

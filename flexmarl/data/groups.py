@@ -36,16 +36,18 @@ class Group:
 
 
 def groups_of(result: EpisodeResult,
-              advantages: Mapping[str, Callable[[np.ndarray], np.ndarray]]
+              advantages: Mapping[str, Callable[[EpisodeResult, str], list[np.ndarray]]]
               ) -> dict[str, list[Group]]:
   """Per agent (the keys of `advantages`), the groups of one query in call order, with
-  the advantages its function (its learner's, `Learner.advantages`) gives their rewards."""
+  the advantages its function (its learner's, `Learner.advantages`: one array per call
+  of the agent) gives them."""
   out: dict[str, list[Group]] = {a: [] for a in advantages}
+  credited = {a: iter(credit(result, a)) for a, credit in advantages.items()}
   for served in result.served:
     rewards = np.array([result.episode.rewards[s] for s in served.sample_ids], np.float32)
     correct = np.array([float(result.episode.correct[s]) if s in result.episode.correct
                         else np.nan for s in served.sample_ids], np.float32)
-    adv = advantages[served.agent](rewards)
+    adv = next(credited[served.agent])
     expected = {result.episode.expected[s] for s in served.sample_ids
                 if s in result.episode.expected}
     if len(expected) > 1:

@@ -19,6 +19,7 @@ import json
 import os
 import string
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -27,8 +28,13 @@ from flexmarl.core.errors import CheckpointFileError, ConfigError
 PAD, BOS, EOS = '<pad>', '<bos>', '<eos>'
 CHAT_ROLES = ('system', 'user', 'assistant', 'tool')
 # A prompt: raw text, or chat messages ({'role': ..., 'content': ...}) that the agent's
-# chat template renders.
-Prompt = str | Sequence[Mapping[str, str]]
+# chat template renders. An assistant message's content may be a sampled turn (a
+# `Completion` generate() returned: `.text` and `.tokens`), which goes into the prompt as
+# the exact tokens sampled, not its text encoded again.
+Prompt = str | Sequence[Mapping[str, Any]]
+# Stands for a sampled turn's content while the template renders (no template or text
+# writes it); the rendered text is cut there and the turn's tokens spliced in.
+_TURN = '\x00flexmarl-turn-{}\x00'
 # Characters the built-in tasks use; kept in a fixed order so ids never move.
 DEFAULT_CHARS = string.digits + string.ascii_lowercase + ' +-*=?:>|<,.'
 
@@ -133,7 +139,33 @@ class TextTokenizer:
     writes them), exactly as transformers' `apply_chat_template` encodes them."""
     if isinstance(prompt, str):
       return self.encode(prompt)
-    return self.hf.encode(self.render_chat(prompt), add_special_tokens=False).ids
+    check_messages(prompt)
+    turns = [m['content'] for m in prompt if is_sampled_turn(m['content'])]
+    if not turns:
+      return self.hf.encode(self.render_chat(prompt), add_special_tokens=False).ids
+    return self._splice(prompt, turns)
+
+  def _splice(self, messages: Sequence[Mapping[str, Any]], turns: list) -> list[int]:
+    """Ids of messages holding sampled turns: the template's text around each turn
+    encoded, the turn's own tokens in between. A turn that ended at a stop token has it
+    already; the template's own end-of-turn token after it is then not repeated."""
+    k = iter(range(len(turns)))
+    rendered = self.render_chat([dict(m, content=_TURN.format(next(k)))
+                                 if is_sampled_turn(m['content']) else m for m in messages])
+    ids: list[int] = []
+    for i, turn in enumerate(turns):
+      before, marker, rendered = rendered.partition(_TURN.format(i))
+      if not marker or _TURN.format(i) in rendered:
+        raise ValueError('the chat template changes or repeats an assistant message\'s '
+                         'content, so a sampled turn\'s exact tokens cannot be placed; pass '
+                         'its text (turn.text) instead.')
+      ids += self.hf.encode(before, add_special_tokens=False).ids
+      tokens = [int(t) for t in turn.tokens]
+      ids += tokens
+      end = self.hf.id_to_token(tokens[-1]) if tokens and tokens[-1] in self.stop_ids else None
+      if end and rendered.startswith(end):
+        rendered = rendered[len(end):]
+    return ids + self.hf.encode(rendered, add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
     """Text of response ids up to the first stop id. Every other token is shown,
@@ -171,8 +203,18 @@ def check_messages(messages) -> None:
                        f'e.g. {example}.')
     if m['role'] not in CHAT_ROLES:
       raise ValueError(f'prompt message {i}: role {m["role"]!r} is not one of {CHAT_ROLES}.')
-    if not isinstance(m.get('content'), str):
-      raise ValueError(f'prompt message {i}: content {m.get("content")!r} is not a string.')
+    content = m.get('content')
+    if is_sampled_turn(content) and m['role'] != 'assistant':
+      raise ValueError(f'prompt message {i}: a sampled turn (a Completion) is the content of '
+                       f'an assistant message, not of a {m["role"]!r} one.')
+    if not isinstance(content, str) and not is_sampled_turn(content):
+      raise ValueError(f'prompt message {i}: content {content!r} is not a string (or, for '
+                       'an assistant, a Completion generate() returned).')
+
+
+def is_sampled_turn(content: Any) -> bool:
+  """A Completion as message content: its text and the exact tokens sampled."""
+  return hasattr(content, 'text') and hasattr(content, 'tokens') and not isinstance(content, str)
 
 
 def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> TextTokenizer:

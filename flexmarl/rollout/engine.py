@@ -25,6 +25,7 @@ from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.models.tokenizer import Prompt, TextTokenizer
+from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
@@ -101,7 +102,10 @@ class _QueryContext:
       raise ValueError(f'query {qid}: generate(stop={stop!r}) for agent {agent!r}: give '
                        'non-empty strings, e.g. stop=["\\n"].')
     try:
-      ids = engine.tokenizers[agent].encode_prompt(prompt)
+      ids = fit_prompt(own_turns(prompt, agent, engine.tokenizers),
+                       engine.tokenizers[agent].encode_prompt, engine.max_prompt_len,
+                       engine.context_overflow,
+                       f'query {qid}, agent {agent!r}, turn {self._next_call}')
     except ValueError as e:
       raise ValueError(f'query {qid}: generate() for agent {agent!r}: {e}') from None
     future = asyncio.get_running_loop().create_future()
@@ -123,9 +127,13 @@ class RolloutEngine:
                clock: Clock | None = None, concurrency: int = 8,
                max_batch: int = 256, balancer: Balancer | None = None,
                query_timeout_s: float = 0.0, recorder: SpanRecorder | None = None,
-               evaluation: bool = False):
+               evaluation: bool = False, max_prompt_len: int = 0,
+               context_overflow: str = 'refuse'):
     """`evaluation`: held-out evaluation, pass@1: every request gets one greedy answer,
-    whatever `n` the workflow asks for (see `evaluation_engine`)."""
+    whatever `n` the workflow asks for (see `evaluation_engine`). A prompt longer than
+    `max_prompt_len` (0: unchecked here) is refused or shortened by `context_overflow`
+    (rollout/context.py)."""
+    self.max_prompt_len, self.context_overflow = max_prompt_len, context_overflow
     self.pools = dict(pools)
     self.evaluation = evaluation
     self.sampling, self.group_sizes = dict(sampling), dict(group_sizes)
@@ -148,7 +156,8 @@ class RolloutEngine:
     return RolloutEngine(self.pools, greedy, dict.fromkeys(self.pools, 1), self.tokenizers,
                          self.seed, clock=self.clock, concurrency=self.concurrency,
                          max_batch=self.max_batch, query_timeout_s=self.query_timeout_s,
-                         evaluation=True)
+                         evaluation=True, max_prompt_len=self.max_prompt_len,
+                         context_overflow=self.context_overflow)
 
   @property
   def instances(self) -> list[Instance]:
@@ -298,8 +307,9 @@ class RolloutEngine:
       group = ServedGroup(r.query_id, r.call, r.agent, version, r.prompt_ids, r.sample_ids,
                           tokens, [out.logprobs[i, :a.length] for i, a in zip(rows, answers)])
       r.served.append(group)
-      r.future.set_result([Completion(sid, r.agent, a.text, version, a.truncated)
-                           for sid, a in zip(group.sample_ids, answers)])
+      r.future.set_result([Completion(sid, r.agent, a.text, version, a.truncated,
+                                      tuple(int(t) for t in ids))
+                           for sid, a, ids in zip(group.sample_ids, answers, tokens)])
 
   def _check_timeouts(self, active) -> None:
     if not self.query_timeout_s:

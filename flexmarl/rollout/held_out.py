@@ -46,6 +46,8 @@ def eval_lines(results: Sequence[EpisodeResult]) -> dict[str, dict[str, float]]:
         correct.setdefault(group.agent, []).append(right)
         query_right = query_right and right
         query_rewards.append(reward)
+    if episode.outcomes:  # a workflow in attempts: solved when its attempts were
+      query_right = all(v >= 1.0 for v in episode.outcomes.values())
     team_right.append(query_right)
     team_reward.append(float(np.mean(query_rewards)) if query_rewards else math.nan)
   lines = {agent: {'eval_accuracy': float(np.mean(correct[agent])),

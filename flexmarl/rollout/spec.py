@@ -12,7 +12,9 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.spec.validate import config_of, fail, in_range, number, read_section, whole_number
+from flexmarl.rollout.context import OVERFLOW_POLICIES
+from flexmarl.spec.validate import (config_of, fail, in_range, number, one_of, read_section,
+                                    whole_number)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,9 @@ class RolloutSpec:
     (a move is then one weight sync into the running engine).
   - sticky_conversations: keep a query's turns on one instance (for prefix caches).
   - query_timeout_s: a query running longer is an error naming it (0: no limit).
+  - context_overflow: a prompt longer than `max_prompt_len` (a conversation grown over
+    its turns) is 'refuse'd, naming the query, agent and turn, or has its oldest turns
+    dropped ('drop_oldest', chat messages only; rollout/context.py). Never cut silently.
   - adapter_groups: groups of LoRA agents of one base whose adapters share rollout
     instances, e.g. (('router', 'math', 'code'),): each instance of the group's first
     agent holds the base once and every agent's adapter, and samples each row with its
@@ -113,6 +118,7 @@ class RolloutSpec:
   balance_cooldown_s: float = 0.5
   sticky_conversations: bool = False
   query_timeout_s: float = 0.0
+  context_overflow: str = 'refuse'
   adapter_groups: tuple[tuple[str, ...], ...] = ()
   vllm: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -128,6 +134,7 @@ class RolloutSpec:
              'must be >= 1 (a load ratio; the paper uses 5).')
     for key in ('balance_cooldown_s', 'query_timeout_s'):
       in_range(f'{field}.{key}', getattr(r, key), 0, float('inf'), 'must be >= 0 seconds.')
+    one_of(f'{field}.context_overflow', r.context_overflow, OVERFLOW_POLICIES)
     groups = r.adapter_groups
     if not isinstance(groups, (list, tuple)) or not all(
         isinstance(g, (list, tuple)) and all(isinstance(n, str) for n in g) for g in groups):

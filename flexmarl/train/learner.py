@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from flexmarl.data.groups import Group
+from flexmarl.data.records import EpisodeResult
 from flexmarl.train import collapse, grpo, replay
-from flexmarl.train.credit import ESTIMATORS
+from flexmarl.train.credit import CREDITS, EPISODE_CREDITS
 from flexmarl.train.spec import GRPOConfig
 
 
@@ -53,7 +54,10 @@ class Learner:
 
   def __init__(self, cfg: GRPOConfig, global_batch: int):
     self.cfg = cfg
-    self._estimate = ESTIMATORS[cfg.advantage]
+    self._credit = CREDITS[cfg.credit]
+    # Under episode credit a turn is a group of one: replaying an answer into it (keyed
+    # by the call's expected answer) would train one problem's turn under another's.
+    self._replays = cfg.self_imitation > 0 and cfg.credit not in EPISODE_CREDITS
     self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
     self.collapse_run = 0  # ... and `collapse.collapsed`
     self.resets = 0  # times reset to the starting weights (`collapse.resets_now`)
@@ -68,9 +72,10 @@ class Learner:
     self._best_at_update: collections.OrderedDict = collections.OrderedDict()
     self._replayed = 0  # ... and the rows replayed into the batch being accumulated
 
-  def advantages(self, rewards: np.ndarray) -> np.ndarray:
-    """A group's advantages, one per sample, fixed before any gradient is taken."""
-    return np.asarray(self._estimate(np.asarray(rewards, np.float32), self.cfg), np.float32)
+  def advantages(self, result: EpisodeResult, agent: str) -> list[np.ndarray]:
+    """The advantages of `agent`'s groups in one query's result (one array per call, in
+    call order), by the agent's credit mode: fixed before any gradient is taken."""
+    return self._credit(result, agent, self.cfg)
 
   def micro_batch(self, micro: Sequence[Group], version: int) -> Rows:
     """The training rows of one micro-batch, for parameters at `version`."""
@@ -79,7 +84,7 @@ class Learner:
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
-    if cfg.self_imitation:
+    if self._replays:
       for g in micro:
         replay.remember_best(self.best_answers, g.expected, g.rewards, g.correct,
                              g.served.tokens)
@@ -93,9 +98,10 @@ class Learner:
     # answer's first token is the replaced row's. The batch keeps its rows and shape: no
     # micro-batch grows past its padded size or compiles a new step.
     end = np.cumsum([g.size for g in micro]) - 1
-    for i, t in enumerate(replay.replays(cfg, [g.expected for g in micro],
-                                         [g.rewards for g in micro], [g.correct for g in micro],
-                                         self.best_answers)):
+    replays = replay.replays(cfg, [g.expected for g in micro], [g.rewards for g in micro],
+                             [g.correct for g in micro], self.best_answers
+                             ) if self._replays else []
+    for i, t in enumerate(replays):
       if t is None:
         continue
       self._replayed += 1

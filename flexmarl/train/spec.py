@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from flexmarl.train.credit import ESTIMATORS
+from flexmarl.train.credit import CREDITS, EPISODE_CREDITS, ESTIMATORS
 from flexmarl.spec.validate import (DERIVED, config_of, fail, in_range, number, one_of,
                                read_section, whole_number)
 
@@ -51,7 +51,16 @@ class OptimizerConfig:
 class GRPOConfig:
   """The GRPO loss (config `agents.NAME.grpo`; see flexmarl.train.grpo)."""
 
-  # The advantage estimator, by its name in train/credit.py's registry.
+  # Which samples are compared with which (train/credit.py's CREDITS): 'call' (one
+  # generate call's samples), 'episode' (a query's attempts side by side, each turn
+  # credited with its attempt's outcome), 'episode_agent' (the same, normalised by the
+  # agent's own statistics: Dr. MAS).
+  credit: str = 'call'
+  # Under episode credit: a turn's own rewards (Episode.score's), discounted over the
+  # agent's later turns of its attempt, times this, added to the outcome. 0: outcome only.
+  turn_reward_coef: float = 0.0
+  turn_discount: float = 1.0
+  # The advantage estimator of call groups, by its name in train/credit.py's registry.
   advantage: str = 'grpo'
   clip_eps: float = 0.2
   clip_eps_low: float | None = None  # ratio >= 1 - clip_eps_low (None: clip_eps) ...
@@ -148,6 +157,19 @@ class GRPOConfig:
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     one_of(f'{field}.advantage', g.advantage, tuple(ESTIMATORS))
+    one_of(f'{field}.credit', g.credit, tuple(CREDITS))
+    in_range(f'{field}.turn_reward_coef', g.turn_reward_coef, -math.inf, math.inf,
+             'must be a finite number (0: the outcome alone).')
+    in_range(f'{field}.turn_discount', g.turn_discount, 0.0, 1.0,
+             'discounts later turns: 0 to 1 (1: every later turn counts in full).')
+    if g.credit in EPISODE_CREDITS:
+      # A turn is a group of one sample there: these compare the samples of one call.
+      for name, on in (('zero_spread_baseline', g.zero_spread_baseline > 0),
+                       ('dynamic_sampling', g.dynamic_sampling)):
+        if on:
+          fail(f'{field}.{name}', getattr(g, name), f'compares the samples of one call, and '
+               f'under {field}.credit={g.credit!r} a turn is one sample; turn it off, or '
+               "use credit='call'.")
     return g
 
 

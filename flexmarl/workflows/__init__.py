@@ -18,10 +18,12 @@ from flexmarl.core.errors import ConfigError
 from flexmarl.workflows.base import Workflow
 from flexmarl.workflows.chat_router import ChatRouter
 from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant
+from flexmarl.workflows.rounds import SolverCheckerRounds
 from flexmarl.workflows.single_task import SingleTask
 from flexmarl.workflows.solver_verifier import SolverVerifier
 
-WORKFLOWS = {'chat_router': ChatRouter, 'hierarchical_assistant': HierarchicalAssistant, 'single_task': SingleTask,
+WORKFLOWS = {'chat_router': ChatRouter, 'hierarchical_assistant': HierarchicalAssistant,
+             'single_task': SingleTask, 'solver_checker_rounds': SolverCheckerRounds,
              'solver_verifier': SolverVerifier}
 
 

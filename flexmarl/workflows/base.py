@@ -36,23 +36,35 @@ class Completion:
   text: str
   version: int  # the policy version that sampled it
   truncated: bool = False  # cut at its max_new_tokens before a stop token or stop string
+  # The ids sampled (its stop token included): as an assistant message's content in a
+  # later prompt of the same agent, these go in as they are (models/tokenizer.py).
+  tokens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
 class Episode:
   """What a workflow returns: a reward per completion, and optionally whether it is
-  exactly right and what the right answer to its call was."""
+  exactly right and what the right answer to its call was.
+
+  A query may run several episodes side by side (a multi-turn team's `n` attempts at one
+  problem, each turn one sample): `score(..., episode=i)` says which attempt a completion
+  belongs to, and `outcome(i, value)` what attempt i earned as a whole. Agents credited
+  by episode (`grpo.credit`, train/credit.py) learn from the outcomes; `score`'s reward is
+  then the turn's own reward (a tool's verdict on that turn, 0 where there is none)."""
 
   rewards: dict[str, float] = dataclasses.field(default_factory=dict)
   correct: dict[str, bool] = dataclasses.field(default_factory=dict)
   expected: dict[str, str] = dataclasses.field(default_factory=dict)
+  episode_of: dict[str, int] = dataclasses.field(default_factory=dict)  # sample → attempt
+  outcomes: dict[int, float] = dataclasses.field(default_factory=dict)  # attempt → value
 
   def score(self, completion: Completion, reward: float, correct: bool | None = None,
-            expected: str | None = None) -> None:
+            expected: str | None = None, episode: int | None = None) -> None:
     """Give `completion` its reward (a finite number), once. `expected`: the right
     answer to the call that sampled it (the same for every sample of one call), where the
     task has one; the run then weighs the agent's accuracy against the best constant
-    answer's (`best_constant`, `balanced_accuracy` in its metrics)."""
+    answer's (`best_constant`, `balanced_accuracy` in its metrics). `episode`: the index
+    of the side-by-side attempt the completion belongs to (see the class)."""
     sid = getattr(completion, 'sample_id', None)
     if not isinstance(completion, Completion):
       raise TypeError(f'episode.score({completion!r}, ...): pass a Completion that '
@@ -60,11 +72,29 @@ class Episode:
     if sid in self.rewards:
       raise ValueError(f'sample {sid} is scored twice (rewards {self.rewards[sid]} and '
                        f'{reward!r}); score each completion once.')
+    if episode is not None:
+      self.episode_of[sid] = _episode_index(episode, f'episode.score({sid}, episode=...)')
     self.rewards[sid] = reward_value(reward, sid)
     if correct is not None:
       self.correct[sid] = bool(correct)
     if expected is not None:
       self.expected[sid] = str(expected)
+
+  def outcome(self, episode: int, value: float) -> None:
+    """What attempt `episode` earned as a whole (e.g. 1.0 solved, 0.0 not), once."""
+    where = f'episode.outcome({episode!r}, ...)'
+    episode = _episode_index(episode, where)
+    if episode in self.outcomes:
+      raise ValueError(f'{where}: attempt {episode} has an outcome already '
+                       f'({self.outcomes[episode]}); give each attempt one.')
+    self.outcomes[episode] = reward_value(value, f'of attempt {episode}')
+
+
+def _episode_index(episode, where: str) -> int:
+  if isinstance(episode, bool) or not isinstance(episode, numbers.Integral) or episode < 0:
+    raise ValueError(f'{where}: episode={episode!r}; give the attempt\'s index, a whole '
+                     'number >= 0.')
+  return int(episode)
 
 
 def ordered_pairs(field: str, value: Any) -> list[tuple[str, Any]]:

@@ -52,6 +52,14 @@ def check_episode(query_id: str, served_sample_ids: Iterable[str], episode: obje
   if not served:
     raise WorkflowError(f'query {query_id}: the workflow never called generate(); a run '
                         'without samples trains nothing: await agents[name].generate(prompt).')
+  attempts = set(episode.episode_of.values())
+  without, empty = sorted(attempts - set(episode.outcomes)), sorted(set(episode.outcomes) - attempts)
+  if without:
+    raise WorkflowError(f'query {query_id}: attempts {without} have turns but no outcome; give '
+                        'each attempt episode.outcome(i, value).')
+  if empty:
+    raise WorkflowError(f'query {query_id}: attempts {empty} have an outcome but no turn; score '
+                        'their completions with episode.score(c, reward, episode=i).')
 
 
 def run_error(query_id: str, error: BaseException, fix: str = '') -> WorkflowError:
@@ -124,9 +132,11 @@ def make_query_checked(workflow: Workflow, rng: np.random.Generator, query_id: s
 
 
 def dry_run(workflow: Workflow, group_sizes: Mapping[str, int], seed: int, queries: int = 4,
-            timeout_s: float = 10.0) -> list[tuple[str, str, list[str]]]:
+            timeout_s: float = 10.0, episodes: list | None = None
+            ) -> list[tuple[str, str, list[str]]]:
   """Run the workflow on its first `queries` queries against stand-in agents; returns every
-  request as (agent, prompt, sample_ids). Raises WorkflowError on a broken contract."""
+  request as (agent, prompt, sample_ids), and appends each query's Episode to `episodes`.
+  Raises WorkflowError on a broken contract."""
   async def one(i: int) -> list:
     query = make_query_checked(workflow, np.random.default_rng([seed, i]), f'q{i}')
     log: list = []
@@ -142,6 +152,8 @@ def dry_run(workflow: Workflow, group_sizes: Mapping[str, int], seed: int, queri
       raise run_error(query.query_id, e, '(with every completion text empty, which a policy '
                       'can answer: EOS first); handle that case.') from e
     check_episode(query.query_id, [s for _, _, ids in log for s in ids], episode)
+    if episodes is not None:
+      episodes.append(episode)
     return log
 
   async def all_queries() -> list:
@@ -171,11 +183,12 @@ def check_workflow_api(workflow: Workflow) -> None:
                         'a list of the agent names the workflow calls.')
 
 
-def check_workflow(workflow: Workflow, group_sizes: Mapping[str, int], seed: int = 0
-                   ) -> list[tuple[str, str, list[str]]]:
+def check_workflow(workflow: Workflow, group_sizes: Mapping[str, int], seed: int = 0,
+                   episodes: list | None = None) -> list[tuple[str, str, list[str]]]:
   """Check a workflow against the configured agents (name → group_size) before any work.
 
-  Returns the dry run's requests (see `dry_run`), for prompt checks."""
+  Returns the dry run's requests (see `dry_run`, which collects its `episodes`), for
+  prompt and credit checks."""
   check_workflow_api(workflow)
   names = list(workflow.agent_names())
   unknown = [n for n in names if n not in group_sizes]
@@ -187,4 +200,4 @@ def check_workflow(workflow: Workflow, group_sizes: Mapping[str, int], seed: int
     raise ConfigError(f'config.agents: {idle} are configured but not in '
                       f'{type(workflow).__name__}.agent_names() {list(names)}; they would '
                       'never train. Remove them from config.agents or add them to agent_names().')
-  return dry_run(workflow, {n: group_sizes[n] for n in names}, seed)
+  return dry_run(workflow, {n: group_sizes[n] for n in names}, seed, episodes=episodes)
