@@ -58,8 +58,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                                   max_step_queries=64)
   new_tokens = 3 if local else 10
 
-  def agent(model: str, global_batch: int, learning_rate: float) -> ml_collections.ConfigDict:
-    a = agent_config('tiny', group_size=4, global_batch=global_batch,
+  def agent(model: str, group_size: int, global_batch: int,
+            learning_rate: float) -> ml_collections.ConfigDict:
+    a = agent_config('tiny', group_size=group_size, global_batch=global_batch,
                      micro_batch=global_batch // 2,
                      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
     a.model.checkpoint = model  # brings the agent's tokenizer and chat template
@@ -68,9 +69,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     a.optimizer.learning_rate = learning_rate
     return a
 
-  config.agents = {'router': agent(ROUTER_MODEL, 32, 5e-4),
-                   'sum': agent(SPECIALIST_MODEL, 16, 2e-4),
-                   'product': agent(SPECIALIST_MODEL, 16, 2e-4)}
+  # The 0.5B answers most two-digit sums greedily already: groups of 8 show it the spread
+  # its samples have, and a smaller step keeps it from collapsing onto one answer (groups
+  # of 4, 16-row batches and 2e-4 took its held-out sums from 0.75 to 0.33 in 10 steps).
+  config.agents = {'router': agent(ROUTER_MODEL, 4, 32, 5e-4),
+                   'sum': agent(SPECIALIST_MODEL, 8, 32, 5e-5),
+                   'product': agent(SPECIALIST_MODEL, 8, 32, 5e-5)}
   # One rollout instance holds the 0.5B base once and both specialists' adapters.
   config.rollout.adapter_groups = [['sum', 'product']]
   return config
