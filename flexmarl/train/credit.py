@@ -53,26 +53,25 @@ CREDITS: dict[str, Credit] = {}
 EPISODE_CREDITS = ('episode', 'episode_agent')  # the modes that read attempts' outcomes
 
 
+def _register(table: dict, kind: str, name: str) -> Callable:
+  """A decorator that adds its function to `table` under `name`, once."""
+  def add(fn: Callable) -> Callable:
+    if name in table:
+      raise ValueError(f'{kind} {name!r} is registered already ({table[name].__module__}); '
+                       'give yours another name.')
+    table[name] = fn
+    return fn
+  return add
+
+
 def register_advantage(name: str) -> Callable[[Estimator], Estimator]:
   """Add an estimator under `name`; a name is registered once."""
-  def add(estimator: Estimator) -> Estimator:
-    if name in ESTIMATORS:
-      raise ValueError(f'an advantage estimator {name!r} is registered already '
-                       f'({ESTIMATORS[name].__module__}); give yours another name.')
-    ESTIMATORS[name] = estimator
-    return estimator
-  return add
+  return _register(ESTIMATORS, 'an advantage estimator', name)
 
 
 def register_credit(name: str) -> Callable[[Credit], Credit]:
   """Add a credit mode under `name`; a name is registered once."""
-  def add(credit: Credit) -> Credit:
-    if name in CREDITS:
-      raise ValueError(f'a credit mode {name!r} is registered already '
-                       f'({CREDITS[name].__module__}); give yours another name.')
-    CREDITS[name] = credit
-    return credit
-  return add
+  return _register(CREDITS, 'a credit mode', name)
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool = True,
