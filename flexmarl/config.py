@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
@@ -25,6 +26,7 @@ from flexmarl.placement import fit as placement_fit
 from flexmarl.rollout import backends
 from flexmarl.rollout.spec import RolloutSpec, rollout_config
 from flexmarl.runtime import compile_cache
+from flexmarl.runtime.workdir import config_values, flatten
 from flexmarl.spec.agent import AgentSpec, agent_config
 from flexmarl.spec.cluster import ClusterSpec, cluster_config
 from flexmarl.spec.team import TeamSpec
@@ -68,6 +70,17 @@ def tokenizer_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
       return agent.tokenizer
     return checkpoint if checkpoint and source.carries_tokenizer(checkpoint) else config.tokenizer
   return {name: path(a) for name, a in config.agents.items()}
+
+
+def default_values(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Dotted field → the value it takes where a config leaves it out, for the sections
+  every config has (each agent's, rollout, training, cluster): what a run saved before a
+  field existed ran with (flexmarl.runtime.workdir.diff_configs)."""
+  sections = {'rollout': rollout_config(), 'training': training_config(),
+              'cluster': cluster_config(),
+              **{f'agents.{name}': agent_config() for name in config.agents}}
+  return {k: v for prefix, section in sections.items()
+          for k, v in flatten(config_values(section), f'{prefix}.').items()}
 
 
 def agent_spec(config: ml_collections.ConfigDict, name: str, vocab_size: int) -> AgentSpec:

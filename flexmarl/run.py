@@ -170,7 +170,9 @@ def _accept_workdir(workdir, config, workflow, experiment, loaded, tokenizers, l
   """Claim the workdir for this run (flexmarl.runtime.workdir) and save the tokenizers beside it:
   the team's in tokenizer/, an agent's own in tokenizers/NAME."""
   from flexmarl.runtime import workdir as workdirs
-  for warning in workdirs.check_workdir(workdir, config, workflow, experiment):
+  from flexmarl.config import default_values
+  for warning in workdirs.check_workdir(workdir, config, workflow, experiment,
+                                        default_values(config)):
     log(f'warning: {warning}')
   workdirs.accept_workdir(workdir, config, workflow, experiment)
   loaded[config.tokenizer].save(os.path.join(workdir, 'tokenizer'))

@@ -428,6 +428,29 @@ def test_a_workdir_from_before_the_collapse_fields_resumes_with_warnings(trained
     (trained / 'config.json').write_bytes(before)
 
 
+def test_a_workdir_from_before_a_field_existed_resumes_where_it_is_at_its_default(trained):
+  """A field added since the run began (its config.json lacks it) at its default is the
+  run's own setting: no difference. Set otherwise, it is refused as any change."""
+  from flexmarl.config import default_values
+  from flexmarl.runtime.workdir import check_workdir
+  from flexmarl.workflows import build_workflow
+  before = (trained / 'config.json').read_bytes()
+  saved = json.loads(before)
+  del saved['agents']['solver']['grpo']['credit']
+  saved['rollout'].pop('context_overflow', None)
+  (trained / 'config.json').write_text(json.dumps(saved))
+  try:
+    c = small_config(steps=2)
+    warnings = check_workdir(str(trained), c, build_workflow(c.workflow), None, default_values(c))
+    assert not any('credit' in w or 'context_overflow' in w for w in warnings), warnings
+    c.rollout.context_overflow = 'drop_oldest'
+    with pytest.raises(WorkdirError, match=r"rollout.context_overflow: '<absent>' in the "
+                       r"workdir, 'drop_oldest' now"):
+      check_workdir(str(trained), c, build_workflow(c.workflow), None, default_values(c))
+  finally:
+    (trained / 'config.json').write_bytes(before)
+
+
 def test_more_steps_warn_and_the_workdir_resumes(trained):
   """Runs last in this file's workdir cases: it carries the run on by one step."""
   logged = []

@@ -63,13 +63,17 @@ def workflow_id(workflow) -> str:
   return f'{cls.__module__}:{cls.__qualname__}'
 
 
-def diff_configs(old: Mapping, new: Mapping) -> tuple[dict, dict]:
-  """(refused, harmless): dotted field → (old value, new value) for every difference."""
+def diff_configs(old: Mapping, new: Mapping, defaults: Mapping[str, Any] | None = None
+                 ) -> tuple[dict, dict]:
+  """(refused, harmless): dotted field → (old value, new value) for every difference.
+  `defaults` (dotted field → its default): a field the saved config lacks (the run began
+  before the field existed) at its default now is no difference: the run had it so."""
   a, b = flatten(old), flatten(new)
+  defaults = defaults or {}
   refused, harmless = {}, {}
   for field in sorted(set(a) | set(b)):
     before, after = a.get(field, '<absent>'), b.get(field, '<absent>')
-    if before == after:
+    if before == after or (field not in a and field in defaults and defaults[field] == after):
       continue
     ok = any(fnmatch.fnmatchcase(field, p) for p in HARMLESS)
     (harmless if ok else refused)[field] = (before, after)
@@ -102,9 +106,11 @@ def check_usable(workdir: str) -> None:
                        f'(chmod u+w {existing}).')
 
 
-def check_workdir(workdir: str, config, workflow, experiment: str | None = None) -> list[str]:
+def check_workdir(workdir: str, config, workflow, experiment: str | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> list[str]:
   """Raise WorkdirError if `workdir` is not a writable folder or holds a run this config
-  cannot carry on; returns warnings (harmless changes) to print. Writes nothing."""
+  cannot carry on; returns warnings (harmless changes) to print. Writes nothing.
+  `defaults`: see `diff_configs`."""
   check_usable(workdir)
   old = _read_json(os.path.join(workdir, CONFIG_FILE))
   owner = _read_json(os.path.join(workdir, RUN_FILE)) or {}
@@ -116,7 +122,7 @@ def check_workdir(workdir: str, config, workflow, experiment: str | None = None)
     raise WorkdirError(
         f'workdir {workdir} belongs to a run of workflow {owner["workflow"]} ({where}); this '
         f'run uses {mine}. Fix: use a new --workdir for this run.')
-  refused, harmless = diff_configs(old, config_values(config))
+  refused, harmless = diff_configs(old, config_values(config), defaults)
   if refused:
     lines = '\n'.join(f'  {k}: {v[0]!r} in the workdir, {v[1]!r} now' for k, v in refused.items())
     back = ' '.join(f'--config.{k}={v[0]}' for k, v in refused.items()
