@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import importlib.metadata
 import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -102,6 +102,11 @@ def hf_config(cfg: ModelConfig, tokenizer=None, max_position_embeddings: int = 3
   if tokenizer is not None:
     out.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
                pad_token_id=tokenizer.pad_id)
+  try:  # as transformers' own save does: without it, transformers >= 5 suspects every
+    # local folder of holding an old Mistral tokenizer and warns at load.
+    out['transformers_version'] = importlib.metadata.version('transformers')
+  except importlib.metadata.PackageNotFoundError:
+    pass
   return out
 
 
