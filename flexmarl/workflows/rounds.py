@@ -116,6 +116,11 @@ class SolverCheckerRounds:
     return True if 'yes' in words and 'no' not in words else (
         False if 'no' in words and 'yes' not in words else None)
 
+  @property
+  def _verdicts(self) -> dict[bool, str]:
+    """The checker's right verdict on a right (True) and a wrong answer."""
+    return {True: 'y', False: 'n'} if self.gym is None else {True: 'yes', False: 'no'}
+
   def _retry(self) -> str:
     return 'n' if self.gym is None else RETRY
 
@@ -130,17 +135,19 @@ class SolverCheckerRounds:
 
     async def solve() -> Completion:
       return await self._turn(agents[self.solver], self._solver_prompt(query, turns), episode,
-                              i, score, solved)
+                              i, score, solved, query.answer)
     if first is None:
       answer = await solve()
     else:
       answer = first
-      episode.score(first, score(first), correct=solved(first), episode=i)
+      episode.score(first, score(first), correct=solved(first), expected=query.answer,
+                    episode=i)
     for _ in range(self.rounds - 1):
       right = solved(answer)
       verdict = await self._turn(agents[self.checker], self._checker_prompt(query, answer),
                                  episode, i, lambda c: float(self._accepts(c.text) == right),
-                                 lambda c: self._accepts(c.text) == right)
+                                 lambda c: self._accepts(c.text) == right,
+                                 self._verdicts[right])
       if self._accepts(verdict.text):
         break
       turns.append((answer, self._retry()))
@@ -148,14 +155,15 @@ class SolverCheckerRounds:
     episode.outcome(i, score(answer))
 
   async def _turn(self, agent: AgentClient, prompt: Any, episode: Episode, i: int,
-                  reward, correct) -> Completion:
+                  reward, correct, expected: str) -> Completion:
     """One turn of attempt `i`: one sample, or (branch=K) K candidates and the best."""
     judge = lambda c: (float(reward(c)), bool(correct(c)))
     if self.branch:
-      return await best_of(agent, prompt, self.branch, episode, judge, episode_index=i)
+      return await best_of(agent, prompt, self.branch, episode, judge, episode_index=i,
+                           expected=expected)
     [c] = await agent.generate(prompt, n=1)
     value, right = judge(c)
-    episode.score(c, value, correct=right, episode=i)
+    episode.score(c, value, correct=right, expected=expected, episode=i)
     return c
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:

@@ -36,17 +36,19 @@ async def attempts(agent: AgentClient, prompt: Any, n: int,
 
 async def best_of(agent: AgentClient, prompt: Any, k: int, episode: Episode,
                   judge: Callable[[Completion], float | tuple[float, bool]],
-                  episode_index: int | None = None, **generate: Any) -> Completion:
+                  episode_index: int | None = None, expected: str | None = None,
+                  **generate: Any) -> Completion:
   """AT-GRPO's turn: `k` candidates from one call, each scored in `episode` by its turn
   reward (`judge(c)`: a reward, or (reward, correct); `episode_index`: the attempt they
-  belong to, where the workflow gives attempts outcomes); returns the best-scored (the
-  first of equals, so the choice follows the seed)."""
+  belong to, where the workflow gives attempts outcomes; `expected`: the turn's right
+  answer, where it has one); returns the best-scored (the first of equals, so the choice
+  follows the seed)."""
   candidates = await agent.generate(prompt, n=k, **generate)
   rewards = []
   for c in candidates:
     verdict = judge(c)
     reward, correct = verdict if isinstance(verdict, tuple) else (verdict, None)
-    episode.score(c, reward, correct=correct, episode=episode_index)
+    episode.score(c, reward, correct=correct, expected=expected, episode=episode_index)
     rewards.append(float(reward))
   return candidates[max(range(len(candidates)), key=lambda j: (rewards[j], -j))]
 
