@@ -178,7 +178,8 @@ def test_default_sections_are_generated_from_the_spec_dataclasses():
   assert (a.sampling, a.optimizer) == (SamplingParams(), OptimizerConfig())
   assert a.grpo == GRPOConfig(max_new_tokens=SamplingParams().max_new_tokens)
   assert (a.group_size, a.global_batch, a.micro_batch) == (8, 64, 16)
-  assert set(agent_config().grpo) == {'advantage', 'clip_eps', 'clip_eps_low', 'clip_eps_high', 'kl_coef',
+  assert set(agent_config().grpo) == {'credit', 'turn_reward_coef', 'turn_discount',
+                                      'advantage', 'clip_eps', 'clip_eps_low', 'clip_eps_high', 'kl_coef',
                                       'entropy_coef', 'entropy_by_error',
                                       'entropy_decay_steps', 'normalize_std',
                                       'loss_norm', 'dynamic_sampling',
