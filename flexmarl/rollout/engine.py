@@ -25,8 +25,8 @@ from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.models.tokenizer import Prompt, TextTokenizer
-from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
