@@ -2,11 +2,12 @@
 
 The Agent (flexmarl.agent) owns the version, dispatches work to the trainer and publishes
 weights. Its Learner decides what is trained:
-- `advantages`: each group's advantages as it arrives, by the estimator the config names
-  (`grpo.advantage`, train/credit.py): the one place a row's advantage is computed;
+- `advantages`: the advantages of the agent's groups of each query as it arrives, by the
+  credit mode and estimator the config names (`grpo.credit`, `grpo.advantage`,
+  train/credit.py): the one place a row's advantage is computed;
 - `micro_batch`: a micro-batch's training rows, advantages re-weighted
   (`grpo.baseline_advantages`, `grpo.answer_weights`) and the agent's best answers
-  replayed into all-wrong groups (train/replay.py);
+  replayed into all-wrong groups (train/replay.py; call groups only);
 - `update`: whether a global batch takes an optimizer step and whether the agent goes
   back to its starting weights (`grpo.takes_step`, train/collapse.py).
 The decisions are grpo.py's pure functions; the Learner holds the runs, windows and
