@@ -60,12 +60,18 @@ class JournaledRollout:
     self._results, self._journal, self._starvation = results, journal, starvation
     self._advantages = {n: a.learner.advantages for n, a in agents.items()}
     self._limit = spec.rollout.max_step_queries
-    self.queries = 0
+    self.queries = self.skipped = 0
     self.tokens = {n: 0 for n in spec.agents}
 
   def __iter__(self) -> Iterator[dict[str, list[Group]]]:
     for result in self._results:
       self.queries += 1
+      if result.skipped:  # admission by demand: no batch takes its rows
+        self.skipped += 1
+        yield {}
+        if self.queries >= self._limit:
+          return
+        continue
       arrival = {n: g for n, g in groups_of(result, self._advantages).items() if g}
       self._starvation.served({n: min(g.served.call for g in groups)
                                for n, groups in arrival.items()})
@@ -93,6 +99,8 @@ class JointOrchestrator:
     self._rebalances_logged = 0
     self._started: RolloutStream | None = None  # the next step's, begun early
     self._step_end = 0.0  # when the last step's schedule returned
+    self._skipped = 0  # queries the last step's admission skipped
+    self._generated = dict.fromkeys(spec.agents, 0)  # response tokens sampled, so far
     self.on_close: list[Callable[[], None]] = []  # run by `close`, last
     self.starvation = StarvationWatch(list(spec.agents), spec.rollout.max_step_queries)
 
@@ -120,6 +128,7 @@ class JointOrchestrator:
     finally:
       results.close()
       self.next_query += rollout.queries
+      self._skipped = rollout.skipped
 
   def start_rollout(self) -> None:
     """Dispatch the next step's first requests now, to the weights published so far
@@ -138,8 +147,10 @@ class JointOrchestrator:
     self.next_query = index
 
   def _open_stream(self) -> RolloutStream:
+    """The query stream from the next unconsumed query, admitted by the schedule's
+    demand (rollout/admission.py)."""
     source = ((i, self.query(i)) for i in itertools.count(self.next_query))
-    return self.rollout_engine.stream(self.workflow, source)
+    return self.rollout_engine.stream(self.workflow, source, need=self.schedule.needs)
 
   def _drop_started(self) -> None:
     """Abandon a rollout `start_rollout` began (before a restore, or at the end)."""
@@ -242,12 +253,18 @@ class JointOrchestrator:
     self._step_end = self.clock.now()
     step_s = self._step_end - t0
     lines = result.lines
+    generated = self.rollout_engine.generated
     for name, line in lines.items():
+      # Everything sampled for the agent since the last step, trained on or not (surplus
+      # rows, queries cut in flight): against `trained_tokens`, what admission saves.
+      line['generated_tokens'] = generated[name] - self._generated[name]
+      self._generated[name] = generated[name]
       line['step_time_s'] = step_s
       line['instances'] = len(self.agents[name].pool.instances)
       line.update(self.agents[name].swap_stats())  # training pool: meshes, swaps
     lines[TEAM] = team_line(lines, step_s=step_s, rollout_s=result.rollout_s,
-                            queries=result.queries, tokens=result.tokens,
+                            queries=result.queries, skipped_queries=self._skipped,
+                            tokens=result.tokens,
                             rebalances=self._log_rebalances(),
                             utilization=self._utilization())
     # After the spans' drain: the store's thread would hold the interpreter's lock

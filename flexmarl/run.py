@@ -209,13 +209,15 @@ def train(config, workdir: str, workflow=None, log=print, experiment: str | None
 
 def format_summary(summary: dict) -> str:
   rows = [f"{'agent':<12} {'accuracy first → last':>24} {'reward first → last':>22} "
-          f"{'updates':>8} {'best constant':>14}"]
+          f"{'updates':>8} {'best constant':>14} {'trained/sampled tokens':>23}"]
   for name, s in summary['agents'].items():
     constant = (f"{s['last_best_constant']:>14.2f}" if 'last_best_constant' in s
                 else f"{'-':>14}")
+    share = (f"{s['trained_tokens']:>8} / {s['generated_tokens']:<7} {s['trained_share']:>4.0%}"
+             if 'trained_share' in s else f"{'-':>23}")
     rows.append(f"{name:<12} {s['first_accuracy']:>10.2f} → {s['last_accuracy']:<11.2f} "
                 f"{s['first_reward']:>9.2f} → {s['last_reward']:<10.2f} {s['updates']:>8} "
-                f"{constant}")
+                f"{constant} {share}")
   rows += [f"  {s['no_update']}" for s in summary['agents'].values() if 'no_update' in s]
   for name, e in summary.get('eval', {}).items():
     rows.append(f"{name:<12} held-out greedy accuracy {e['first_accuracy']:.2f} (step "

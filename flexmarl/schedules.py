@@ -101,6 +101,10 @@ class Schedule(Protocol):
   def carry(self, name: str, groups: Sequence[Group]) -> None:
     """Take back groups a checkpoint carried (on restore)."""
 
+  def needs(self) -> dict[str, int] | None:
+    """Per agent, the rows its next batch still takes: what the rollout admits queries
+    for (rollout/admission.py); None: no limit."""
+
 
 class Buffered:
   """Each agent's buffer of served rows not yet trained on; a checkpoint carries what
@@ -132,6 +136,9 @@ class Sync(Buffered):
     return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
                         spec.grpo.dynamic_sampling)
 
+  def needs(self) -> dict[str, int]:
+    return {n: b.missing for n, b in self.buffers.items()}
+
   def run_step(self, ctx: StepContext) -> StepResult:
     t0 = ctx.clock.now()  # rollout_s: this step's wait on its rollout (not what ran earlier)
     versions = {n: ctx.version(n) for n in self.buffers}
@@ -156,13 +163,16 @@ class Sync(Buffered):
     rollout_s = ctx.clock.now() - t0
     full = [n for n, b in self.buffers.items() if b.full]
     finishes = self.train(ctx, full, updates)
+    builders = dict(self.buffers)  # this step's; the updated agents start anew
+    for name in full:
+      self.buffers[name] = self.new_buffer(self.agents[name])
     # Every update is dispatched and its weights published: the next step's generation
     # starts now, behind the updates on the devices, while this step waits for their
     # stats and finishes its bookkeeping (here and in the orchestrator).
     ctx.start_rollout()
     stats = {name: finish() for name, finish in finishes.items()}
     lines: Lines = {}
-    for name, builder in self.buffers.items():
+    for name, builder in builders.items():
       line = dict(batch_stats(builder.kept), **self.baseline.stats(name, builder.kept),
                   policy_version=versions[name],
                   tokens=rollout.tokens[name], rows=builder.kept_rows,
@@ -170,7 +180,6 @@ class Sync(Buffered):
                   filtered_rows=builder.filtered_rows)
       if name in stats:
         line.update(surplus_rows=builder.surplus_rows, **stats[name])
-        self.buffers[name] = self.new_buffer(self.agents[name])
       lines[name] = line
     return StepResult(lines, rollout_s, rollout.queries, sum(rollout.tokens.values()))
 
@@ -226,6 +235,9 @@ class Async(Buffered):
                                    max_staleness, a.grpo.dynamic_sampling)
                     for n, a in self.agents.items()}
     self.baseline = ConstantBaseline()
+
+  def needs(self) -> None:
+    return None  # rows wait across steps: a query's rows are never in vain
 
   def run_step(self, ctx: StepContext) -> StepResult:
     t0 = ctx.clock.now()

@@ -102,6 +102,11 @@ class BatchBuilder:
   def full(self) -> bool:
     return self.kept_rows + self.surplus_rows >= self.global_batch
 
+  @property
+  def missing(self) -> int:
+    """Rows still to be offered before the batch is full."""
+    return max(0, self.global_batch - self.kept_rows - self.surplus_rows)
+
   def micro_batches(self, final: bool = False) -> list[list[Group]]:
     """The micro-batches completed since the last call (with `final`, the remainder too)."""
     out = []

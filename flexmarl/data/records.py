@@ -40,3 +40,4 @@ class EpisodeResult:
   episode: Episode
   started: float = 0.0  # clock time the query was admitted
   finished: float = 0.0  # clock time its workflow returned
+  skipped: bool = False  # consumed without running: no agent's batch took its rows

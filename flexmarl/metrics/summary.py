@@ -1,5 +1,5 @@
-"""summary.json (per agent, where its reward and accuracy started and ended) and the
-progress line of a step."""
+"""summary.json (per agent, where its reward and accuracy started and ended, and how much
+of what was sampled for it was trained on) and the progress line of a step."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def summarize(lines: list[dict], wall_s: float, window: int = 5) -> dict:
         'first_reward': _mean(first, 'reward_mean'), 'first_accuracy': _mean(first, 'accuracy'),
         'last_reward': _mean(last, 'reward_mean'), 'last_accuracy': _mean(last, 'accuracy'),
         'updates': len(mine)}
+    mine_all = [l for l in lines if l['agent'] == agent]
+    generated = sum(l.get('generated_tokens', 0) for l in mine_all)
+    if generated:  # runs from before the count have none
+      trained = sum(l.get('trained_tokens', 0) for l in mine_all)
+      summary['agents'][agent].update(generated_tokens=generated, trained_tokens=trained,
+                                      trained_share=trained / generated)
     if not mine:  # what waits in its buffer, for the end table's reason
       steps = sorted((l for l in lines if l['agent'] == agent), key=lambda l: l['step'])
       summary['agents'][agent].update(waiting_rows=waiting_rows(steps[-1]), steps=len(steps))

@@ -16,6 +16,7 @@ finish in, so what a step trains on depends only on the query stream.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
@@ -25,13 +26,14 @@ from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.models.tokenizer import Prompt, TextTokenizer
+from flexmarl.rollout.admission import Admission, Decision, Observed, Verdict
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
-from flexmarl.workflows.checks import check_episode, run_error, timeout_error
+from flexmarl.workflows.checks import check_demand, check_episode, run_error, timeout_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,11 @@ class _Client:
   def __init__(self, name: str, ctx: '_QueryContext'):
     self.name, self._ctx = name, ctx
 
+  @property
+  def wanted(self) -> bool:
+    """Whether a batch still takes this agent's rows from this query (admission.py)."""
+    return self._ctx.wanted is None or self.name in self._ctx.wanted
+
   async def generate(self, prompt: Prompt, n: int | None = None, *,
                      max_new_tokens: int | None = None,
                      stop: Sequence[str] = ()) -> list[Completion]:
@@ -74,9 +81,9 @@ class _Client:
 class _QueryContext:
 
   def __init__(self, engine: 'RolloutEngine', query: Query, index: int,
-               requests: list[Request], started: float):
+               requests: list[Request], started: float, wanted: frozenset[str] | None = None):
     self.engine, self.query, self.index, self.requests = engine, query, index, requests
-    self.started = started
+    self.started, self.wanted = started, wanted
     self.served: list[ServedGroup] = []
     self.waiting = 0  # generate calls not answered yet
     self._next_call = 0
@@ -145,16 +152,21 @@ class RolloutEngine:
     self.concurrency, self.max_batch = concurrency, max_batch
     self.balancer, self.query_timeout_s = balancer, query_timeout_s
     self.recorder = recorder
+    self.observed = Observed()  # rows per training query, for admission's estimate
+    self.generated: collections.Counter = collections.Counter()  # response tokens per agent
     # One private loop for every rollout: a fresh loop per call costs more than a small
     # model's whole generation step.
     self._loop = asyncio.new_event_loop()
 
   def evaluation_engine(self) -> 'RolloutEngine':
     """An engine over the same instances (serving the same weights) that answers every
-    request once, greedily: held-out evaluation. Nothing it serves is trained on."""
+    request once, greedily: held-out evaluation. Nothing it serves is trained on. Up to
+    `max_batch` queries run at once (not `concurrency`): a held-out set is known in
+    advance, so each turn of all its queries is one batch, not a wave per slot."""
     greedy = {a: dataclasses.replace(s, temperature=0.0) for a, s in self.sampling.items()}
     return RolloutEngine(self.pools, greedy, dict.fromkeys(self.pools, 1), self.tokenizers,
-                         self.seed, clock=self.clock, concurrency=self.concurrency,
+                         self.seed, clock=self.clock,
+                         concurrency=max(self.concurrency, self.max_batch),
                          max_batch=self.max_batch, query_timeout_s=self.query_timeout_s,
                          evaluation=True, max_prompt_len=self.max_prompt_len,
                          context_overflow=self.context_overflow)
@@ -169,25 +181,39 @@ class RolloutEngine:
     """Roll out a fixed list of queries to completion; results in query order."""
     return list(self.stream(workflow, iter(enumerate(queries, first_index))))
 
-  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]]) -> RolloutStream:
+  def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
+             need: Callable[[], Mapping[str, int] | None] | None = None) -> RolloutStream:
     """Roll out queries from `source` ((stream index, query) pairs, consecutive);
     iterating gives each result in stream order until the source ends. Closing the
     stream abandons the queries still in flight; `start` dispatches the first requests
-    ahead of iterating (see `RolloutStream`).
+    ahead of iterating (see `RolloutStream`). With `need` (per agent, the rows its batch
+    still takes; None: no limit) queries are admitted by demand (admission.py): a
+    skipped query's result has `skipped` set and nothing served.
 
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
-    return RolloutStream(lambda dispatched: self._stream(workflow, source, dispatched),
-                         self._loop)
+    admission = None
+    if need is not None and need() is not None:
+      admission = Admission(need, self.group_sizes, self.observed)
+    return RolloutStream(
+        lambda dispatched: self._stream(workflow, source, dispatched, admission), self._loop)
+
+  def _demand(self, workflow: Workflow, query: Query) -> Mapping[str, int] | None:
+    declare = getattr(workflow, 'demand', None)
+    if declare is None:
+      return None
+    return check_demand(declare(query), query.query_id, self.group_sizes,
+                        type(workflow).__name__)
 
   async def _stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
-                    dispatched: Callable[[], Awaitable[None]]
+                    dispatched: Callable[[], Awaitable[None]], admission: Admission | None
                     ) -> AsyncIterator[EpisodeResult]:
     requests: list[Request] = []
     active: dict[int, tuple[_QueryContext, asyncio.Task]] = {}
     finished: dict[int, EpisodeResult] = {}
     expected, exhausted = None, False
+    held = None  # the next query, waiting for the queries in flight (admission.py)
 
     names = list(workflow.agent_names())
 
@@ -200,18 +226,34 @@ class RolloutEngine:
     try:
       while True:
         while not exhausted and len(active) < self.concurrency:
-          item = next(source, None)
+          item, held = held or next(source, None), None
           if item is None:
             exhausted = True
             break
           index, query = item
           expected = index if expected is None else expected
-          ctx = _QueryContext(self, query, index, requests, self.clock.now())
+          verdict = Verdict(Decision.START)
+          if admission is not None:
+            verdict = admission.consider(self._demand(workflow, query),
+                                         quiet=not active and not finished)
+          if verdict.decision is Decision.HOLD:
+            held = item
+            break
+          now = self.clock.now()
+          if verdict.decision is Decision.SKIP:
+            finished[index] = EpisodeResult(query, index, [], Episode(), now, now, skipped=True)
+            continue
+          ctx = _QueryContext(self, query, index, requests, now, verdict.wanted)
           active[index] = (ctx, asyncio.create_task(episode(ctx)))
         await self._settle([t for _, t in active.values()], requests)
         for index in [i for i, (_, t) in active.items() if t.done()]:
           ctx, task = active.pop(index)
-          finished[index] = self._check(ctx, task.result(), self.clock.now())
+          finished[index] = result = self._check(ctx, task.result(), self.clock.now())
+          if not self.evaluation:
+            rows = collections.Counter()
+            for g in result.served:
+              rows[g.agent] += len(g.sample_ids)
+            self.observed.add(rows)
           for pool in self.pools.values():
             pool.forget(ctx.query.query_id)
         while expected in finished:
@@ -219,7 +261,7 @@ class RolloutEngine:
           yield finished.pop(expected - 1)
         if exhausted and not active:
           return
-        if len(active) < self.concurrency and not exhausted:
+        if len(active) < self.concurrency and not exhausted and held is None:
           continue  # refill the slots of queries that just finished before serving
         self._check_timeouts(active.values())
         if self._dispatch(requests):
@@ -299,6 +341,7 @@ class RolloutEngine:
     for r, version in zip(batch, versions):
       rows = range(row, row + r.n)
       row += r.n
+      self.generated[r.agent] += int(out.lengths[rows.start:rows.stop].sum())
       if r.future.done():  # its query was abandoned
         continue
       tokenizer = self.tokenizers[r.agent]

@@ -140,6 +140,11 @@ def reward_value(reward: Any, sample_id: str) -> float:
 
 class AgentClient(Protocol):
 
+  wanted: bool
+  """Whether a batch still takes this agent's rows from this query. Always true but in
+  training queries whose workflow declares its calls (`demand`, see `Workflow`); a call
+  whose rows are not wanted may be left out when nothing else needs its answer."""
+
   async def generate(self, prompt: str | Sequence[Mapping[str, str]], n: int | None = None,
                      *, max_new_tokens: int | None = None,
                      stop: Sequence[str] = ()) -> list[Completion]:
@@ -162,6 +167,13 @@ class Workflow(Protocol):
 
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     ...
+
+  # Optional: `def demand(self, query) -> dict[str, int] | None`, the generate calls a
+  # training query makes of each agent (each one group of the agent's group size), when
+  # known before it runs. The rollout then starts a query only while a batch still
+  # takes its rows, skips one no batch takes, and tells the workflow which agents'
+  # rows are wanted (`agents[name].wanted`): nothing is sampled in vain
+  # (flexmarl/rollout/admission.py). The dry run checks it against the calls made.
 
 
 @runtime_checkable

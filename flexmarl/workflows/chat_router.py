@@ -9,8 +9,10 @@ query's own), so that team accuracy is the pipeline's; in training, with
 `train_routing='owner'` (the default), the specialist that owns the problem, while the
 router learns from its routing reward alone: a base model that names one specialist far
 more often than the other would otherwise starve the other of its own problems
-(measured on SmolLM2: the gcd specialist got no batch in 15 steps). `'router'` routes
-training problems as evaluation does. The chosen specialist gets the problem and is
+(measured on SmolLM2: the gcd specialist got no batch in 15 steps). Such a problem's two
+calls are then independent: they run at once, and each is left out when its agent's
+batch takes no more rows (`demand`, rollout/admission.py). `'router'` routes training
+problems as evaluation does. The chosen specialist gets the problem and is
 asked for the final answer only.
 
 Answers are read as small instruct models write them: the router's answer names the
@@ -29,6 +31,7 @@ the right specialist and that specialist's answer is right.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Mapping, Sequence
 
@@ -107,17 +110,44 @@ class ChatRouter:
         score, right = max(score, self.format_credit * last), last >= 1.0
       episode.score(c, score, correct=right, expected=str(task.entry(split, index)['answer']))
 
+  def _owner_routed(self, query: Query) -> bool:
+    return query.meta['split'] == 'train' and self.train_routing == 'owner'
+
+  def demand(self, query: Query) -> dict[str, int] | None:
+    """Owner-routed training problems call the router and the owner once each, known
+    before they run (rollout/admission.py); where the router's answer picks the
+    specialist, who is called is not known in advance."""
+    if not self._owner_routed(query):
+      return None
+    return {self.router: 1, self.specialists[query.family]: 1}
+
   async def run(self, query: Query, agents: Mapping[str, AgentClient]) -> Episode:
     episode = Episode()
-    routes: list[Completion] = await agents[self.router].generate(
+    target = self.specialists[query.family]
+    if self._owner_routed(query):
+      # Neither call needs the other's answer: both at once, leaving out the one whose
+      # rows no batch takes this step.
+      calls = []
+      if agents[self.router].wanted:
+        calls.append(self._route(agents[self.router], query, episode))
+      if agents[target].wanted:
+        calls.append(self._solve(agents[target], query, episode))
+      await asyncio.gather(*calls)
+      return episode
+    named = await self._route(agents[self.router], query, episode)
+    chosen = next((n for n in named if n is not None),
+                  list(self.specialists.values())[query.meta['fallback']])
+    await self._solve(agents[chosen], query, episode)
+    return episode
+
+  async def _route(self, agent: AgentClient, query: Query, episode: Episode
+                   ) -> list[str | None]:
+    """Ask the router; score each answer by whether it names the owner alone. Returns
+    the specialist each answer names."""
+    routes: list[Completion] = await agent.generate(
         [{'role': 'user', 'content': f'{query.prompt}\n\n{self.router_question}'}])
     target = self.specialists[query.family]
     named = [self.named(c.text) for c in routes]
-    chosen = next((n for n in named if n is not None),
-                  list(self.specialists.values())[query.meta['fallback']])
-    if query.meta['split'] == 'train' and self.train_routing == 'owner':
-      chosen = target
     for c, name in zip(routes, named):
       episode.score(c, float(name == target), correct=name == target, expected=target)
-    await self._solve(agents[chosen], query, episode)
-    return episode
+    return named

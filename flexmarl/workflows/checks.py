@@ -12,6 +12,7 @@ check the rollout engine applies to what `run` returns.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
@@ -77,6 +78,8 @@ def timeout_error(query_id: str, seconds: float, context: str = '') -> WorkflowE
 
 class _StandIn:
   """An agent that answers every request with `n` empty completions, recording prompts."""
+
+  wanted = True  # a dry run runs every call
 
   def __init__(self, name: str, group_size: int, query_id: str, log: list):
     self.name, self.group_size, self.query_id, self.log = name, group_size, query_id, log
@@ -152,6 +155,7 @@ def dry_run(workflow: Workflow, group_sizes: Mapping[str, int], seed: int, queri
       raise run_error(query.query_id, e, '(with every completion text empty, which a policy '
                       'can answer: EOS first); handle that case.') from e
     check_episode(query.query_id, [s for _, _, ids in log for s in ids], episode)
+    check_declared(workflow, query, group_sizes, [name for name, _, _ in log])
     if episodes is not None:
       episodes.append(episode)
     return log
@@ -165,6 +169,41 @@ def dry_run(workflow: Workflow, group_sizes: Mapping[str, int], seed: int, queri
     return asyncio.run(all_queries())
   with concurrent.futures.ThreadPoolExecutor(1) as pool:  # inside a notebook's loop
     return pool.submit(asyncio.run, all_queries()).result()
+
+
+def check_demand(calls: object, query_id: str, agents: Mapping[str, int], workflow: str
+                 ) -> Mapping[str, int] | None:
+  """A workflow's `demand(query)`, checked: None, or agent → whole number of calls."""
+  if calls is None:
+    return None
+  if not isinstance(calls, Mapping) or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in calls.values()):
+    raise ValueError(f'query {query_id}: {workflow}.demand(query) returned {calls!r}; return '
+                     'None or a dict agent name -> number of generate calls (>= 0).')
+  unknown = sorted(set(calls) - set(agents))
+  if unknown:
+    raise ValueError(f'query {query_id}: {workflow}.demand(query) names agents {unknown}; '
+                     f'configured agents: {sorted(agents)}.')
+  return calls
+
+
+def check_declared(workflow: Workflow, query: Query, group_sizes: Mapping[str, int],
+                   called: Sequence[str]) -> None:
+  """A workflow that declares its calls (`demand`) makes exactly those: admission plans
+  the step's rows by them."""
+  if getattr(workflow, 'demand', None) is None:
+    return
+  try:
+    declared = check_demand(workflow.demand(query), query.query_id, group_sizes,
+                            type(workflow).__name__)
+  except ValueError as e:
+    raise WorkflowError(str(e)) from None
+  made = collections.Counter(called)
+  if declared is not None and {a: n for a, n in declared.items() if n} != dict(made):
+    raise WorkflowError(
+        f'query {query.query_id}: {type(workflow).__name__}.demand(query) declares the calls '
+        f'{dict(declared)}, but the workflow made {dict(made)} with every agent wanted; '
+        'declare the calls it makes, or return None where they are not known in advance.')
 
 
 def check_workflow_api(workflow: Workflow) -> None:
