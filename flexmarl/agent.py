@@ -133,15 +133,25 @@ class Agent:
     trainer's accumulator (dispatched, not awaited: it runs on the training devices
     while the caller goes on)."""
     rows = self.learner.micro_batch(micro, self.version)
-    batch = TrainBatch.from_rows(
-        rows.prompts, rows.tokens, rows.logprobs, rows.advantages,
-        prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
-        response_len=self.spec.sampling.max_new_tokens,
-        pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
-        on_policy=rows.on_policy, entropy_weight=rows.entropy_weight)
+    batch = None
+    if rows.prompts:
+      # Padded to the rows of the whole micro-batch (at most `micro_batch`), silent
+      # groups' included: one cut short by them mostly runs in a shape a full one
+      # compiled (padding every short one costs more compute than the compiles saved).
+      batch = TrainBatch.from_rows(
+          rows.prompts, rows.tokens, rows.logprobs, rows.advantages,
+          prompt_len=self.prompt_len, prompt_width_multiple=self.prompt_width_multiple,
+          response_len=self.spec.sampling.max_new_tokens,
+          pad_id=self.pad_id, batch_multiple=self.trainer.batch_multiple,
+          on_policy=rows.on_policy, entropy_weight=rows.entropy_weight,
+          min_rows=min(self.spec.micro_batch, sum(g.size for g in micro)))
     version = self.version
 
     def work() -> None:
+      if rows.silent_rows:
+        self.trainer.count_silent(rows.silent_tokens, rows.silent_rows)
+      if batch is None:
+        return
       stats = self.trainer.accumulate(batch, version)
       if self.timeline is not None:
         self.timeline.add(spans.MICRO_BATCH, stats, agent=self.name, version=version,

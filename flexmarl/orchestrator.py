@@ -150,7 +150,9 @@ class JointOrchestrator:
     """The query stream from the next unconsumed query, admitted by the schedule's
     demand (rollout/admission.py)."""
     source = ((i, self.query(i)) for i in itertools.count(self.next_query))
-    return self.rollout_engine.stream(self.workflow, source, need=self.schedule.needs)
+    filtered = frozenset(n for n, a in self.spec.agents.items() if a.grpo.dynamic_sampling)
+    return self.rollout_engine.stream(self.workflow, source, need=self.schedule.needs,
+                                      filtered=filtered)
 
   def _drop_started(self) -> None:
     """Abandon a rollout `start_rollout` began (before a restore, or at the end)."""

@@ -38,6 +38,7 @@ from flexmarl.config import AgentSpec, TeamSpec
 from flexmarl.core.clock import Clock
 from flexmarl.core.interfaces import Stats
 from flexmarl.data.groups import BatchBuilder, ConstantBaseline, Group, StaleBuffer, batch_stats
+from flexmarl.train.learner import silent_groups
 
 Lines = dict[str, dict[str, float]]
 
@@ -134,7 +135,7 @@ class Sync(Buffered):
   @staticmethod
   def new_buffer(spec: AgentSpec) -> BatchBuilder:
     return BatchBuilder(spec.global_batch, spec.micro_batch // spec.group_size,
-                        spec.grpo.dynamic_sampling)
+                        spec.grpo.dynamic_sampling, silent_groups(spec.grpo))
 
   def needs(self) -> dict[str, int]:
     return {n: b.missing for n, b in self.buffers.items()}
@@ -232,7 +233,8 @@ class Async(Buffered):
   def __init__(self, agents: Mapping[str, AgentSpec], max_staleness: int):
     self.agents, self.max_staleness = dict(agents), max_staleness
     self.buffers = {n: StaleBuffer(a.global_batch, a.micro_batch // a.group_size,
-                                   max_staleness, a.grpo.dynamic_sampling)
+                                   max_staleness, a.grpo.dynamic_sampling,
+                                   silent_groups(a.grpo))
                     for n, a in self.agents.items()}
     self.baseline = ConstantBaseline()
 

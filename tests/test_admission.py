@@ -13,7 +13,7 @@ import pytest
 from flexmarl import tasks
 from flexmarl.config import agent_config, rollout_config
 from flexmarl.metrics.writer import read_metrics
-from flexmarl.rollout.admission import Admission, Decision, Observed
+from flexmarl.rollout.admission import Admission, Decision, Verdict
 from flexmarl.run import train
 from flexmarl.workflows.base import Episode, Query
 from flexmarl.workflows.checks import WorkflowError, check_workflow
@@ -126,32 +126,33 @@ def test_parameters_equal_a_run_that_never_started_them(runs):
 @pytest.mark.quick
 def test_decisions_follow_the_declared_calls():
   need = {'router': 4, 'a': 4, 'b': 4}
-  admission = Admission(lambda: need, {'router': 2, 'a': 4, 'b': 4}, Observed())
+  admission = Admission(lambda: need, {'router': 2, 'a': 4, 'b': 4})
   start = lambda calls, quiet=False: admission.consider(calls, quiet)
   assert start({'router': 1, 'a': 1}).wanted == {'router', 'a'}
   assert start({'router': 1, 'a': 1}).wanted == {'router'}  # a's batch is planned full
-  held = start({'router': 1, 'a': 1})
-  assert held.decision is Decision.HOLD  # nothing planned wanted: wait for the results
-  need.update(router=0, a=0)  # they came in as declared
-  assert start({'router': 1, 'a': 1}, quiet=True).decision is Decision.SKIP
-  assert start({'router': 1, 'b': 1}, quiet=True).wanted == {'b'}
-  need.update(b=2)  # a group was filtered out: the exact need replans at a quiet moment
-  assert start({'b': 1}).decision is Decision.HOLD
-  assert start({'b': 1}, quiet=True).wanted == {'b'}
+  # Nothing it brings is wanted, and b still wants rows: skipped at once.
+  assert start({'router': 1, 'a': 1}).decision is Decision.SKIP
+  assert start({'router': 1, 'b': 1}).wanted == {'b'}
+  # Every batch planned full: held (the step ends once the rows in flight are in).
+  assert start({'router': 1, 'b': 1}).decision is Decision.HOLD
 
 
 @pytest.mark.quick
-def test_undeclared_queries_are_held_by_estimate_and_never_skipped():
-  observed = Observed()
-  need = {'x': 8}
-  admission = Admission(lambda: need, {'x': 4}, observed)
-  assert all(admission.consider(None, False).decision is Decision.START for _ in range(5))
-  observed.add({'x': 4})  # a query brings 4 rows
-  admission = Admission(lambda: need, {'x': 4}, observed)
-  assert [admission.consider(None, False).decision for _ in range(3)] == [
-      Decision.START, Decision.START, Decision.HOLD]
-  need['x'] = 0
-  assert admission.consider(None, True).decision is Decision.START  # quiet: it runs
+def test_filtered_agents_are_planned_from_their_exact_need():
+  need = {'b': 8}
+  admission = Admission(lambda: need, {'b': 4}, filtered=frozenset({'b'}))
+  assert admission.consider({'b': 1}, False).wanted == {'b'}
+  assert admission.consider({'b': 1}, False).wanted == {'b'}
+  assert admission.consider({'b': 1}, False).decision is Decision.HOLD
+  need['b'] = 4  # a group was filtered out: one more query's rows are wanted
+  assert admission.consider({'b': 1}, True).wanted == {'b'}
+
+
+@pytest.mark.quick
+def test_undeclared_queries_always_run():
+  admission = Admission(lambda: {'x': 0}, {'x': 4})
+  assert admission.consider(None, False).decision is Decision.START
+  assert admission.consider(None, True) == Verdict(Decision.START)  # every agent wanted
 
 
 @pytest.mark.quick

@@ -182,6 +182,9 @@ class RemoteTrainer:
     ref = ray.put(batch)  # once, read by every rank
     return Handle(self.call('accumulate', ref, update)[0], self.cluster.call_timeout_s)
 
+  def count_silent(self, tokens: int, rows: int) -> None:
+    self.call('count_silent', tokens, rows)  # queued in order before the step
+
   def dispatch_apply(self, step: bool = True) -> Callable[[], Stats]:
     refs = self.call('apply', step)
     self._params = None

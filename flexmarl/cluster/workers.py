@@ -168,6 +168,9 @@ class TrainerRank:
     import jax
     jax.block_until_ready(self.trainer.accumulate(batch, update))
 
+  def count_silent(self, tokens: int, rows: int) -> None:
+    self.trainer.count_silent(tokens, rows)
+
   def apply(self, step: bool) -> dict[str, float]:
     return self.trainer.dispatch_apply(step)()
 

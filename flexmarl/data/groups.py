@@ -68,6 +68,30 @@ def check_fits(group: Group, global_batch: int) -> None:
         f'config.agents.{group.served.agent}.global_batch or ask for fewer samples.')
 
 
+def next_cut(groups: Sequence[Group], start: int, micro_groups: int,
+             silent: Callable[[Group], bool] | None) -> int | None:
+  """Where the micro-batch that begins at `groups[start]` ends: after its
+  `micro_groups`-th group that is not `silent` (silent groups ride along, in order, and
+  are counted, not run: `Learner.silent`); None while the groups so far are too few."""
+  loud = 0
+  for end in range(start, len(groups)):
+    loud += silent is None or not silent(groups[end])
+    if loud == micro_groups:
+      return end + 1
+  return None
+
+
+def cut_micro_batches(groups: Sequence[Group], micro_groups: int,
+                      silent: Callable[[Group], bool] | None = None) -> list[list[Group]]:
+  """All of `groups` cut into micro-batches (see `next_cut`), the last one the rest."""
+  out, start = [], 0
+  while start < len(groups):
+    end = next_cut(groups, start, micro_groups, silent) or len(groups)
+    out.append(list(groups[start:end]))
+    start = end
+  return out
+
+
 class BatchBuilder:
   """One agent's global batch at its current version, built group by group.
 
@@ -76,13 +100,14 @@ class BatchBuilder:
   counted as surplus; once it is full, every group is surplus. With DAPO's dynamic
   sampling, groups whose rewards are all equal are dropped (`filtered_rows`) and do
   not count towards a full batch, so later queries replace them. Kept groups are cut into
-  micro-batches of `micro_groups` groups, in order: the cut never depends on when
-  groups arrived.
+  micro-batches of `micro_groups` groups that are not `silent`, in order: the cut never
+  depends on when groups arrived.
   """
 
-  def __init__(self, global_batch: int, micro_groups: int, dynamic_sampling: bool = False):
+  def __init__(self, global_batch: int, micro_groups: int, dynamic_sampling: bool = False,
+               silent: Callable[[Group], bool] | None = None):
     self.global_batch, self.micro_groups = global_batch, micro_groups
-    self.dynamic_sampling = dynamic_sampling
+    self.dynamic_sampling, self.silent = dynamic_sampling, silent
     self.kept: list[Group] = []
     self.kept_rows = self.surplus_rows = self.filtered_rows = 0
     self.cut = 0  # kept groups already handed out in micro-batches
@@ -110,8 +135,11 @@ class BatchBuilder:
   def micro_batches(self, final: bool = False) -> list[list[Group]]:
     """The micro-batches completed since the last call (with `final`, the remainder too)."""
     out = []
-    while len(self.kept) - self.cut >= self.micro_groups or (final and self.cut < len(self.kept)):
-      out.append(self.kept[self.cut:self.cut + self.micro_groups])
+    while self.cut < len(self.kept):
+      end = next_cut(self.kept, self.cut, self.micro_groups, self.silent)
+      if end is None and not final:
+        break
+      out.append(self.kept[self.cut:end or len(self.kept)])
       self.cut += len(out[-1])
     return out
 
@@ -125,9 +153,10 @@ class StaleBuffer:
   """
 
   def __init__(self, global_batch: int, micro_groups: int, max_staleness: int,
-               dynamic_sampling: bool = False):
+               dynamic_sampling: bool = False, silent: Callable[[Group], bool] | None = None):
     self.global_batch, self.micro_groups = global_batch, micro_groups
     self.max_staleness, self.dynamic_sampling = max_staleness, dynamic_sampling
+    self.silent = silent
     self.kept: list[Group] = []
     self.filtered_rows = 0
 
@@ -157,7 +186,7 @@ class StaleBuffer:
     while self.kept and rows + self.kept[0].size <= self.global_batch:
       rows += self.kept[0].size
       batch.append(self.kept.pop(0))
-    return [batch[i:i + self.micro_groups] for i in range(0, len(batch), self.micro_groups)]
+    return cut_micro_batches(batch, self.micro_groups, self.silent)
 
 
 def batch_stats(groups: Sequence[Group]) -> dict[str, float]:

@@ -14,7 +14,9 @@ def team_line(lines: Mapping[str, Mapping[str, float]], *, step_s: float, rollou
   step's generated tokens, times and throughput, the queries it consumed (and of them,
   skipped by admission), the agents updated, the balancer's moves and the devices'
   utilization."""
-  mean = lambda key: float(np.nanmean([l[key] for l in lines.values()]))
+  def mean(key: str) -> float:  # over agents that have it (NaN where none has)
+    known = [l[key] for l in lines.values() if not np.isnan(l[key])]
+    return float(np.mean(known)) if known else float('nan')
   return dict(utilization, reward_mean=mean('reward_mean'), reward_std=mean('reward_std'),
               accuracy=mean('accuracy'), tokens=tokens, step_time_s=step_s,
               rollout_s=rollout_s, train_s=step_s - rollout_s, queries=queries,

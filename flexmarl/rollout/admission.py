@@ -11,26 +11,30 @@ query, in stream order:
 - *start* it, telling the workflow which of its agents' rows are still wanted
   (`agents[name].wanted`; a workflow may leave out a call whose rows nobody wants and
   whose answer it does not need);
-- *hold* it: its rows look unneeded, so nothing more starts until the queries in flight
-  are in (then the need is known exactly and the query is decided again);
-- *skip* it, only then: it is consumed without running, as no agent it would reach
-  needs rows.
+- *skip* it: it is consumed without running, as no agent it would reach needs rows;
+- *hold* it: nothing more starts until the queries in flight are in and the need is
+  known exactly, then the query is decided again: a query whose agents may have groups
+  filtered out (dynamic sampling), or any once every batch is planned full.
 
 A workflow that declares a query's calls before it runs (`workflow.demand(query)`:
-agent → generate calls, each one group of the agent's group size) gets the three. For
-one that does not, the engine estimates the rows a query brings from the queries it has
-seen (`Observed`) and only holds: such a query always runs, with every agent wanted.
+agent → generate calls, each one group of the agent's group size) gets the three; a
+query that declares nothing runs as it always did, every agent wanted, up to
+`rollout.query_concurrency` at once. (Holding such queries back on an estimate of the
+rows they bring was tried and left out: it changes which requests share a batch with
+timing, and on CPU a row's last logprob bits with its batch's size, so a query served
+again after a crash no longer matches the row the store holds, which the store refuses.)
 
 Exactness: what a step trains on must depend on the query stream alone, never on
 timing. Holding changes only when work runs. The *wanted* sets and skips are decided
-from the declared calls and from the need read at quiet moments (nothing in flight,
-every result consumed), and both depend only on the stream: `sync` and `flexmarl`, a
-resumed run and an uninterrupted one, one query at a time and sixteen, decide alike.
+from the declared calls (the engine checks that each query made them) and from the need
+read at quiet moments (nothing in flight, every result consumed), and both depend only
+on the stream: `sync` and `flexmarl`, a resumed run and an uninterrupted one, one query
+at a time and sixteen, decide alike. (A workflow declares the calls of every training
+query or of none: rows of undeclared queries are not in the plan.)
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping
@@ -48,46 +52,40 @@ class Verdict:
   wanted: frozenset[str] | None = None  # the agents whose rows are wanted; None: every one
 
 
-class Observed:
-  """Rows per query and agent, from the training queries an engine has finished: the
-  estimate for queries that declare no demand (timing only, never what is trained)."""
-
-  def __init__(self):
-    self.rows: collections.Counter = collections.Counter()
-    self.queries = 0
-
-  def add(self, rows: Mapping[str, int]) -> None:
-    self.rows.update(rows)
-    self.queries += 1
-
-  def per_query(self) -> dict[str, float]:
-    return {a: r / self.queries for a, r in self.rows.items()} if self.queries else {}
-
-
 class Admission:
   """One step's admission (see the module docstring). `need()` gives, per agent, the rows
-  its batch still takes, as of the results consumed so far."""
+  its batch still takes, as of the results consumed so far; `filtered`: the agents whose
+  groups a batch may drop (DAPO's dynamic sampling), whose rows may fall short of the
+  declared ones."""
 
   def __init__(self, need: Callable[[], Mapping[str, int]], group_sizes: Mapping[str, int],
-               observed: Observed):
-    self._need, self.group_sizes, self.observed = need, dict(group_sizes), observed
-    self.plan = dict(need())  # rows still to ask for, after the queries started
+               filtered: frozenset[str] = frozenset()):
+    self._need, self.group_sizes, self.filtered = need, dict(group_sizes), filtered
+    # Rows still to ask for after the declared queries started: what decides the
+    # wanted sets and skips, so it moves only by declared calls and exact needs.
+    self.plan = dict(need())
 
   def consider(self, calls: Mapping[str, int] | None, quiet: bool) -> Verdict:
     """The next query's verdict. `calls`: its declared generate calls per agent (None:
-    not declared); `quiet`: nothing is in flight and every result is consumed."""
-    if quiet:  # the need is known exactly: plan from it
-      self.plan = dict(self._need())
+    not declared: it starts, every agent wanted); `quiet`: nothing is in flight and
+    every result is consumed."""
     if calls is None:
-      if not quiet and all(self.plan.get(a, 0) <= 0 for a in self.plan):
-        return Verdict(Decision.HOLD)
-      for agent, rows in self.observed.per_query().items():
-        self.plan[agent] = self.plan.get(agent, 0) - rows
       return Verdict(Decision.START)
-    wanted = frozenset(a for a, c in calls.items() if c > 0 and self.plan.get(a, 0) > 0)
+    wanted = self._wanted(calls)
     if not wanted:
-      return Verdict(Decision.SKIP if quiet else Decision.HOLD)
+      if quiet:  # everything started is in: plan from the exact need
+        self.plan = dict(self._need())
+        wanted = self._wanted(calls)
+      elif self.filtered & {a for a, c in calls.items() if c > 0}:
+        return Verdict(Decision.HOLD)  # filtered groups may leave a batch short
+      if not wanted:
+        # Skipped while a later query can bring the rows still wanted; once every
+        # batch is planned full, held: the step is about to end.
+        more = any(rows > 0 for rows in self.plan.values())
+        return Verdict(Decision.SKIP if more else Decision.HOLD)
     for agent in wanted:
       self.plan[agent] -= calls[agent] * self.group_sizes[agent]
     return Verdict(Decision.START, wanted)
 
+  def _wanted(self, calls: Mapping[str, int]) -> frozenset[str]:
+    return frozenset(a for a, c in calls.items() if c > 0 and self.plan.get(a, 0) > 0)

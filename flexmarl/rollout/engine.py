@@ -26,14 +26,15 @@ from flexmarl.core.clock import Clock, RealClock
 from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.models.tokenizer import Prompt, TextTokenizer
-from flexmarl.rollout.admission import Admission, Decision, Observed, Verdict
+from flexmarl.rollout.admission import Admission, Decision, Verdict
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.pool import Instance, InstancePool, Request
 from flexmarl.rollout.sampler import SamplingParams, sample_key
 from flexmarl.rollout.stream import RolloutStream
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
-from flexmarl.workflows.checks import check_demand, check_episode, run_error, timeout_error
+from flexmarl.workflows.checks import (check_demand, check_episode, check_wanted_calls,
+                                       run_error, timeout_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class _QueryContext:
                requests: list[Request], started: float, wanted: frozenset[str] | None = None):
     self.engine, self.query, self.index, self.requests = engine, query, index, requests
     self.started, self.wanted = started, wanted
+    self.declared: Mapping[str, int] | None = None  # the calls admission planned by
     self.served: list[ServedGroup] = []
     self.waiting = 0  # generate calls not answered yet
     self._next_call = 0
@@ -152,7 +154,6 @@ class RolloutEngine:
     self.concurrency, self.max_batch = concurrency, max_batch
     self.balancer, self.query_timeout_s = balancer, query_timeout_s
     self.recorder = recorder
-    self.observed = Observed()  # rows per training query, for admission's estimate
     self.generated: collections.Counter = collections.Counter()  # response tokens per agent
     # One private loop for every rollout: a fresh loop per call costs more than a small
     # model's whole generation step.
@@ -182,20 +183,22 @@ class RolloutEngine:
     return list(self.stream(workflow, iter(enumerate(queries, first_index))))
 
   def stream(self, workflow: Workflow, source: Iterator[tuple[int, Query]],
-             need: Callable[[], Mapping[str, int] | None] | None = None) -> RolloutStream:
+             need: Callable[[], Mapping[str, int] | None] | None = None,
+             filtered: frozenset[str] = frozenset()) -> RolloutStream:
     """Roll out queries from `source` ((stream index, query) pairs, consecutive);
     iterating gives each result in stream order until the source ends. Closing the
     stream abandons the queries still in flight; `start` dispatches the first requests
     ahead of iterating (see `RolloutStream`). With `need` (per agent, the rows its batch
-    still takes; None: no limit) queries are admitted by demand (admission.py): a
-    skipped query's result has `skipped` set and nothing served.
+    still takes; None: no limit) queries are admitted by demand (admission.py;
+    `filtered`: the agents whose groups a batch may drop): a skipped query's result has
+    `skipped` set and nothing served.
 
     Works from plain code and from inside a running event loop (a notebook): there
     the rollout gets its own loop on a worker thread.
     """
     admission = None
     if need is not None and need() is not None:
-      admission = Admission(need, self.group_sizes, self.observed)
+      admission = Admission(need, self.group_sizes, filtered)
     return RolloutStream(
         lambda dispatched: self._stream(workflow, source, dispatched, admission), self._loop)
 
@@ -232,28 +235,26 @@ class RolloutEngine:
             break
           index, query = item
           expected = index if expected is None else expected
-          verdict = Verdict(Decision.START)
+          verdict, calls = Verdict(Decision.START), None
           if admission is not None:
-            verdict = admission.consider(self._demand(workflow, query),
-                                         quiet=not active and not finished)
+            calls = self._demand(workflow, query)
+            verdict = admission.consider(calls, quiet=not active and not finished)
           if verdict.decision is Decision.HOLD:
             held = item
             break
           now = self.clock.now()
           if verdict.decision is Decision.SKIP:
             finished[index] = EpisodeResult(query, index, [], Episode(), now, now, skipped=True)
+            if len(finished) >= self.concurrency:
+              break  # hand these to the consumer, which may end the step
             continue
           ctx = _QueryContext(self, query, index, requests, now, verdict.wanted)
+          ctx.declared = calls
           active[index] = (ctx, asyncio.create_task(episode(ctx)))
         await self._settle([t for _, t in active.values()], requests)
         for index in [i for i, (_, t) in active.items() if t.done()]:
           ctx, task = active.pop(index)
-          finished[index] = result = self._check(ctx, task.result(), self.clock.now())
-          if not self.evaluation:
-            rows = collections.Counter()
-            for g in result.served:
-              rows[g.agent] += len(g.sample_ids)
-            self.observed.add(rows)
+          finished[index] = self._check(ctx, task.result(), self.clock.now())
           for pool in self.pools.values():
             pool.forget(ctx.query.query_id)
         while expected in finished:
@@ -366,5 +367,8 @@ class RolloutEngine:
   @staticmethod
   def _check(ctx: _QueryContext, episode: Episode, now: float) -> EpisodeResult:
     check_episode(ctx.query.query_id, [s for g in ctx.served for s in g.sample_ids], episode)
+    if ctx.declared is not None:
+      check_wanted_calls(ctx.query.query_id, ctx.declared, ctx.wanted,
+                         collections.Counter(g.agent for g in ctx.served))
     ctx.served.sort(key=lambda g: g.call)
     return EpisodeResult(ctx.query, ctx.index, ctx.served, episode, ctx.started, now)

@@ -236,6 +236,10 @@ class SimTrainer:
     self._tokens += tokens
     self._micro_batches += 1
 
+  def count_silent(self, tokens: int, rows: int) -> None:
+    """Rows of the batch not run (`grpo.silent`): counted, at no cost."""
+    self._tokens += tokens
+
   def reset(self) -> None:
     """A simulated trainer holds no weights: nothing to reset."""
 

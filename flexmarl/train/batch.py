@@ -40,8 +40,9 @@ class TrainBatch:
                 response_len: int, pad_id: int, batch_multiple: int = 1,
                 prompt_width_multiple: int = PROMPT_WIDTH_MULTIPLE,
                 on_policy: np.ndarray | None = None,
-                entropy_weight: np.ndarray | None = None) -> 'TrainBatch':
-    """Pad `len(prompts)` rows to a power-of-two batch (padding rows are masked out).
+                entropy_weight: np.ndarray | None = None, min_rows: int = 1) -> 'TrainBatch':
+    """Pad `len(prompts)` rows (at least `min_rows`) to a power-of-two batch (padding
+    rows are masked out).
     `on_policy`, `entropy_weight` [rows]: see the fields (defaults: every row's behaviour
     logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
@@ -51,7 +52,7 @@ class TrainBatch:
     once each.
     """
     n = len(prompts)
-    size = bucket(n, batch_multiple)
+    size = bucket(max(n, min_rows), batch_multiple)
     prompt_len = padded_width(list(map(len, prompts)), prompt_len, prompt_width_multiple)
     response_len = padded_width(list(map(len, responses)), response_len, 4)
     ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)

@@ -77,6 +77,23 @@ def zero_spread_fraction(groups_rewards) -> float:
   return float(np.mean([zero_spread(g) for g in groups])) if groups else float('nan')
 
 
+def silent(cfg: GRPOConfig, advantages: np.ndarray, correct: np.ndarray, replays: bool
+           ) -> bool:
+  """Whether a group adds exactly nothing to the gradient, so that its rows need not be
+  run through the model: every advantage is 0 (its rewards agree) and nothing else in
+  the loss reaches it: no KL term, no entropy bonus, no baseline for agreeing groups
+  (`zero_spread_baseline`), and no self-imitation replay (`replays`: on, and every sample
+  wrong). It still counts in the batch's divisor, so the update is the one the whole
+  batch gives. A solved prompt (all samples right) is the common case: an agent that has
+  learned its task costs little to keep training."""
+  if cfg.kl_coef or cfg.entropy_coef or cfg.zero_spread_baseline:
+    return False
+  if np.any(np.asarray(advantages) != 0):
+    return False
+  c = np.asarray(correct)
+  return not (replays and c.size and np.all(c == 0.0))
+
+
 def entropy_coef_at(cfg: GRPOConfig, version: int) -> float:
   """The entropy bonus's coefficient for an agent's update number `version`: constant,
   or annealed linearly to 0 over `entropy_decay_steps` (a schedule tied to a number of

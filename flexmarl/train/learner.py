@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +39,8 @@ class Rows:
   advantages: np.ndarray
   on_policy: np.ndarray  # sampled at the version it updates (or replayed)
   entropy_weight: np.ndarray
+  silent_rows: int = 0  # of `grpo.silent` groups: in the batch, not run (no gradient)
+  silent_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +52,28 @@ class Plan:
   stats: dict  # the decision's figures, for the metrics line
 
 
+def replays_into(cfg: GRPOConfig) -> bool:
+  """Whether self-imitation replays answers into all-wrong groups. Not under episode
+  credit: a turn is a group of one there, and replaying an answer into it (keyed by the
+  call's expected answer) would train one problem's turn under another's."""
+  return cfg.self_imitation > 0 and cfg.credit not in EPISODE_CREDITS
+
+
+def silent_groups(cfg: GRPOConfig) -> Callable[[Group], bool]:
+  """The agent's `grpo.silent` test of a group: its micro-batches are cut from the other
+  groups (data.groups.BatchBuilder), and its rows are counted in the batch, not run."""
+  replays = replays_into(cfg)
+  return lambda g: grpo.silent(cfg, g.advantages, g.correct, replays)
+
+
 class Learner:
   """One agent's GRPO: advantages, micro-batch rows, step and reset decisions."""
 
   def __init__(self, cfg: GRPOConfig, global_batch: int):
     self.cfg = cfg
     self._credit = CREDITS[cfg.credit]
-    # Under episode credit a turn is a group of one: replaying an answer into it (keyed
-    # by the call's expected answer) would train one problem's turn under another's.
-    self._replays = cfg.self_imitation > 0 and cfg.credit not in EPISODE_CREDITS
+    self._replays = replays_into(cfg)
+    self.silent = silent_groups(cfg)
     self.stuck_run = 0  # the last batches in a row that were `grpo.stuck` ...
     self.collapse_run = 0  # ... and `collapse.collapsed`
     self.resets = 0  # times reset to the starting weights (`collapse.resets_now`)
@@ -79,16 +94,24 @@ class Learner:
     return self._credit(result, agent, self.cfg)
 
   def micro_batch(self, micro: Sequence[Group], version: int) -> Rows:
-    """The training rows of one micro-batch, for parameters at `version`."""
+    """The training rows of one micro-batch, for parameters at `version`: those of its
+    groups that are not `silent` (theirs are counted only)."""
     cfg = self.cfg
+    if self._replays:  # every group, silent or not, in stream order
+      for g in micro:
+        replay.remember_best(self.best_answers, g.expected, g.rewards, g.correct,
+                             g.served.tokens)
+    quiet = [g for g in micro if self.silent(g)]
+    micro = [g for g in micro if not self.silent(g)]
+    silent_rows = sum(g.size for g in quiet)
+    silent_tokens = sum(len(t) for g in quiet for t in g.served.tokens)
+    if not micro:
+      empty = np.zeros(0, np.float32)
+      return Rows([], [], [], empty, np.zeros(0, bool), empty, silent_rows, silent_tokens)
     advantages = grpo.baseline_advantages(cfg, [g.advantages for g in micro],
                                           [g.rewards for g in micro], self.rewards)
     weights = grpo.answer_weights(cfg, collections.Counter(self.answers),
                                   [g.expected for g in micro])
-    if self._replays:
-      for g in micro:
-        replay.remember_best(self.best_answers, g.expected, g.rewards, g.correct,
-                             g.served.tokens)
     tokens = [list(g.served.tokens) for g in micro]
     logprobs = [list(g.served.logprobs) for g in micro]
     advantages = [a * w for a, w in zip(advantages, weights)]
@@ -113,7 +136,8 @@ class Learner:
     return Rows([g.served.prompt_ids for g in micro for _ in range(g.size)],
                 [t for group in tokens for t in group], [lp for group in logprobs for lp in group],
                 np.concatenate(advantages).astype(np.float32), on_policy,
-                grpo.entropy_weights(cfg, [g.correct for g in micro]))
+                grpo.entropy_weights(cfg, [g.correct for g in micro]), silent_rows,
+                silent_tokens)
 
   def update(self, batch: Sequence[Group]) -> Plan:
     """Decide an update from its global batch (every micro-batch of it given to

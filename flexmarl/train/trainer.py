@@ -96,7 +96,8 @@ class AgentTrainer:
         ref_params=jax.tree.map(np.copy, params) if grpo_cfg.kl_coef else None)
     self.mesh: Mesh | None = None
     self._stats: list[dict] = []  # per micro-batch, on device until the step
-    self._tokens = self._rows = 0
+    self._tokens = self._rows = 0  # of the batch accumulated so far (silent rows included)
+    self._run_tokens = 0  # of them, run through the model
     self._coef = 0.0  # the entropy coefficient this batch's gradient uses
     self._incoming: tuple[OnMesh, AgentState, concurrent.futures.Future] | None = None
     self._targets: dict[Mesh, OnMesh] = {}
@@ -218,9 +219,16 @@ class AgentTrainer:
     self.state = dataclasses.replace(self.state, grads=grads)
     self._stats.append(stats)
     self._tokens += batch.tokens
+    self._run_tokens += batch.tokens
     self._rows += batch.rows
     self._coef = coef
     return stats
+
+  def count_silent(self, tokens: int, rows: int) -> None:
+    """Count rows of the batch that add nothing to the gradient (`grpo.silent`) and
+    were not run: they weigh in the loss's divisor as if they had been."""
+    self._tokens += tokens
+    self._rows += rows
 
   def apply(self) -> dict[str, float]:
     """One optimizer step over everything accumulated; returns per-token stats."""
@@ -244,19 +252,22 @@ class AgentTrainer:
     if step:
       divisor = grpo.loss_divisor(self.grpo_cfg, tokens, self._rows)
       with jax.set_mesh(self.mesh):
+        grads = self.state.grads  # None: every row was silent, the gradient is 0
+        grads = self._steps.zeros(self.params) if grads is None else grads
         params, opt_state, grad_norm = self._steps.update(
-            self.params, self.opt_state, self.state.grads, np.float32(divisor))
+            self.params, self.opt_state, grads, np.float32(divisor))
       if self.base is not None:
         params = self._partition(params)[0]
       self.state = dataclasses.replace(self.state, params=params, opt_state=opt_state)
     self.state = dataclasses.replace(self.state, grads=None)
-    pending, coef = self._stats, self._coef
-    self._stats, self._tokens, self._rows = [], 0, 0
+    pending, coef, run_tokens = self._stats, self._coef, self._run_tokens
+    self._stats, self._tokens, self._rows, self._run_tokens = [], 0, 0, 0
 
     def result() -> dict[str, float]:
       stats, norm = jax.device_get((pending, grad_norm))
-      out = {k: sum(float(s[k]) for s in stats) / tokens for k in stats[0]}
-      return dict(out, grad_norm=float(norm), trained_tokens=tokens,
+      # Per token of the rows run (a silent row's loss terms are 0, its entropy unknown).
+      out = {k: sum(float(s[k]) for s in stats) / run_tokens for k in stats[0]} if stats else {}
+      return dict(out, grad_norm=float(norm), trained_tokens=tokens, run_tokens=run_tokens,
                   skipped_update=float(not step), entropy_coef=coef)
     return result
 
@@ -282,4 +293,4 @@ class AgentTrainer:
     fresh = dataclasses.replace(self.state, params=state['params'],
                                 opt_state=state['opt_state'], grads=None)
     self.state, _ = state_lib.put(fresh, self.state.location)
-    self._stats, self._tokens, self._rows = [], 0, 0
+    self._stats, self._tokens, self._rows, self._run_tokens = [], 0, 0, 0

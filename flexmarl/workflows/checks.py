@@ -187,6 +187,18 @@ def check_demand(calls: object, query_id: str, agents: Mapping[str, int], workfl
   return calls
 
 
+def check_wanted_calls(query_id: str, declared: Mapping[str, int], wanted: Iterable[str],
+                       made: Mapping[str, int]) -> None:
+  """A query admitted by its declared calls made them, for every agent it was told was
+  wanted: the step's plan counts on those rows."""
+  short = {a: (declared[a], made.get(a, 0)) for a in wanted if made.get(a, 0) != declared[a]}
+  if short:
+    raise WorkflowError(
+        f'query {query_id}: workflow.demand(query) declared {dict(declared)}, but the '
+        f'wanted agents got other calls (declared, made): {short}; make every declared call '
+        'of an agent whose `agents[name].wanted` is true, or return None from demand.')
+
+
 def check_declared(workflow: Workflow, query: Query, group_sizes: Mapping[str, int],
                    called: Sequence[str]) -> None:
   """A workflow that declares its calls (`demand`) makes exactly those: admission plans
