@@ -186,7 +186,7 @@ def test_default_sections_are_generated_from_the_spec_dataclasses():
                                       'skip_without_signal', 'unstick_below',
                                       'unstick_after', 'collapse_share',
                                       'collapse_after', 'collapse_resets', 'balance_answers',
-                                      'zero_spread_baseline', 'self_imitation',
+                                      'zero_spread_baseline', 'self_imitation', 'self_imitation_key',
                                       'tis_cap'}  # not the derived
   c = agent_config()
   c.grpo.clip_eps_high = 0.28

@@ -137,3 +137,25 @@ def test_an_all_wrong_group_is_pulled_to_the_agents_own_right_answer():
   older.restore(imitating.train_state(), meta)
   assert {e: (b.tokens.tolist(), b.right) for e, b in older.learner.best_answers.items()} == {
       'n': (N.tolist(), True)}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize('key', ['answer', 'prompt'])
+def test_keyed_by_prompt_an_answer_is_replayed_only_into_its_own_prompt(key):
+  """Where a response is reasoning that ends in the answer, one problem's right response
+  is wrong under another problem's prompt with the same answer: `self_imitation_key=
+  'prompt'` replays it only into its own prompt; 'answer' into any prompt."""
+  from flexmarl.train.learner import Learner
+  learner = Learner(GRPOConfig(self_imitation_key=key), 8)
+
+  def group(prompt, answer, right):
+    served = ServedGroup('q', 0, 'a', 0, prompt, ['q_0', 'q_1'], [answer] * 2,
+                         [np.zeros(2, np.float32)] * 2)
+    return Group(served, np.full(2, right, np.float32), np.zeros(2, np.float32),
+                 np.full(2, right, np.float32), 'n')
+
+  learner.micro_batch([group([1, 9], N, 1.0)], 0)  # right on one prompt
+  other = learner.micro_batch([group([1, 7], Y, 0.0)], 0)  # all wrong on another
+  assert (other.tokens[-1] == (N if key == 'answer' else Y)).all()
+  same = learner.micro_batch([group([1, 9], Y, 0.0)], 0)  # all wrong on the first
+  assert (same.tokens[-1] == N).all()

@@ -161,13 +161,10 @@ class RolloutEngine:
 
   def evaluation_engine(self) -> 'RolloutEngine':
     """An engine over the same instances (serving the same weights) that answers every
-    request once, greedily: held-out evaluation. Nothing it serves is trained on. Up to
-    `max_batch` queries run at once (not `concurrency`): a held-out set is known in
-    advance, so each turn of all its queries is one batch, not a wave per slot."""
+    request once, greedily: held-out evaluation. Nothing it serves is trained on."""
     greedy = {a: dataclasses.replace(s, temperature=0.0) for a, s in self.sampling.items()}
     return RolloutEngine(self.pools, greedy, dict.fromkeys(self.pools, 1), self.tokenizers,
-                         self.seed, clock=self.clock,
-                         concurrency=max(self.concurrency, self.max_batch),
+                         self.seed, clock=self.clock, concurrency=self.concurrency,
                          max_batch=self.max_batch, query_timeout_s=self.query_timeout_s,
                          evaluation=True, max_prompt_len=self.max_prompt_len,
                          context_overflow=self.context_overflow)

@@ -93,13 +93,20 @@ class Learner:
     call order), by the agent's credit mode: fixed before any gradient is taken."""
     return self._credit(result, agent, self.cfg)
 
+  def _key(self, group: Group) -> str | None:
+    """What the group's best answer is kept and replayed under (`self_imitation_key`):
+    its expected answer, or that and its prompt."""
+    if group.expected is None or self.cfg.self_imitation_key == 'answer':
+      return group.expected
+    return replay.prompt_key(group.expected, group.served.prompt_ids)
+
   def micro_batch(self, micro: Sequence[Group], version: int) -> Rows:
     """The training rows of one micro-batch, for parameters at `version`: those of its
     groups that are not `silent` (theirs are counted only)."""
     cfg = self.cfg
     if self._replays:  # every group, silent or not, in stream order
       for g in micro:
-        replay.remember_best(self.best_answers, g.expected, g.rewards, g.correct,
+        replay.remember_best(self.best_answers, self._key(g), g.rewards, g.correct,
                              g.served.tokens)
     quiet = [g for g in micro if self.silent(g)]
     micro = [g for g in micro if not self.silent(g)]
@@ -122,7 +129,7 @@ class Learner:
     # answer's first token is the replaced row's. The batch keeps its rows and shape: no
     # micro-batch grows past its padded size or compiles a new step.
     end = np.cumsum([g.size for g in micro]) - 1
-    replays = replay.replays(cfg, [g.expected for g in micro], [g.rewards for g in micro],
+    replays = replay.replays(cfg, [self._key(g) for g in micro], [g.rewards for g in micro],
                              [g.correct for g in micro], self.best_answers
                              ) if self._replays else []
     for i, t in enumerate(replays):

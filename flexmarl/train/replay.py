@@ -2,12 +2,15 @@
 
 A group whose samples are all wrong gives GRPO nothing to rank; `replays` gives it, in
 place of its last sample, the agent's best answer so far to a call with the same expected
-answer (`remember_best` keeps them), trained with advantage `GRPOConfig.self_imitation`.
+answer (`remember_best` keeps them), trained with advantage `GRPOConfig.self_imitation`;
+with `self_imitation_key='prompt'`, only to a call with the same prompt too (`prompt_key`),
+for responses that are reasoning ending in the answer.
 Pure functions over a memory the agent owns (and its checkpoint keeps)."""
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -16,6 +19,14 @@ import numpy as np
 from flexmarl.train.spec import GRPOConfig
 
 REPLAY_MEMORY = 1000  # expected answers whose best sample an agent remembers
+
+
+def prompt_key(expected: str, prompt_ids: Sequence[int]) -> str:
+  """The memory key of one prompt with its expected answer (`self_imitation_key='prompt'`):
+  a kept answer is replayed only into that prompt. A digest of the ids keeps the key short
+  (the checkpoint stores the keys)."""
+  digest = hashlib.sha256(np.asarray(prompt_ids, np.int64).tobytes()).hexdigest()[:16]
+  return f'{expected}#{digest}'
 
 
 class Best(NamedTuple):

@@ -17,6 +17,7 @@ from flexmarl.spec.validate import (DERIVED, config_of, fail, in_range, number, 
                                read_section, whole_number)
 
 LOSS_NORMS = ('token', 'constant')
+REPLAY_KEYS = ('answer', 'prompt')  # grpo.self_imitation_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,11 @@ class GRPOConfig:
   # rank, is pulled toward an answer the agent has been rewarded for. Needs the
   # workflow's `expected` answers and correctness. 0: off (RESULTS.md, "Self-imitation").
   self_imitation: float = 1.0
+  # What a kept answer is replayed into: 'answer', any call with the same expected
+  # answer (right where the response is the answer itself); 'prompt', only the same
+  # prompt with that expected answer (for responses that reason their way to the answer:
+  # one problem's reasoning would be wrong under another problem's prompt).
+  self_imitation_key: str = 'answer'
   # Truncated importance sampling (verl, slime): each token's loss is weighted by
   # min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the sampled token
   # (at the parameters that sampled it, no gradient) over the sampler's, capped: it
@@ -155,6 +161,7 @@ class GRPOConfig:
              'must be >= 0 (0: off; 1: a replayed answer weighs as a right sample does).')
     in_range(f'{field}.zero_spread_baseline', g.zero_spread_baseline, 0.0, math.inf,
              'must be >= 0 (0: off; 1: the reward\'s distance from the agent\'s mean).')
+    one_of(f'{field}.self_imitation_key', g.self_imitation_key, REPLAY_KEYS)
     one_of(f'{field}.loss_norm', g.loss_norm, LOSS_NORMS)
     one_of(f'{field}.advantage', g.advantage, tuple(ESTIMATORS))
     one_of(f'{field}.credit', g.credit, tuple(CREDITS))
