@@ -96,7 +96,7 @@ class GRPOConfig:
   # over the agent's last ANSWER_WINDOW calls, where those have 2 to `balance_answers`
   # distinct right answers (a yes/no judge that sees mostly right answers). 0: off, the
   # default: 10 taught an imbalanced checker but broke a verifier and slowed an adder
-  # (experiments/benchmarks/RESULTS.md).
+  # (experiments/benchmarks/RESULTS-log-2026.md, "Two options measured and left off").
   balance_answers: int = 0
   # A group whose rewards all agree gets (reward - the agent's mean reward in its last
   # batch) × this as its rows' advantage, instead of GRPO's 0
