@@ -91,7 +91,7 @@ def test_gguf_logits_equal_transformers(hf_gguf, tokenizer):
 
 
 def test_end_of_turn_stops_and_is_kept(tokenizer):
-  from flexmarl.rollout.engine import finish
+  from flexmarl.rollout.answers import finish
   im_end = tokenizer.hf.token_to_id('<|im_end|>')
   assert im_end in tokenizer.stop_ids and im_end == tokenizer.eos_id
   assert tokenizer.hf.token_to_id('<|im_start|>') in tokenizer.banned_ids  # never sampled

@@ -19,7 +19,8 @@ from flexmarl.data.sample_id import parse_sample_id
 from flexmarl.export import export
 from flexmarl.models import hf, transformer
 from flexmarl.models.tokenizer import BOS, build_char_tokenizer, load_tokenizer
-from flexmarl.rollout.engine import Answer, RolloutEngine, finish
+from flexmarl.rollout.answers import Answer, finish
+from flexmarl.rollout.engine import RolloutEngine
 from flexmarl.rollout.pool import Instance, InstancePool
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams
 from flexmarl.run import train

@@ -27,6 +27,7 @@ from flexmarl.data.records import EpisodeResult, ServedGroup
 from flexmarl.metrics.spans import GENERATE, SpanRecorder
 from flexmarl.models.tokenizer import Prompt, TextTokenizer
 from flexmarl.rollout.admission import Admission, Decision, Verdict
+from flexmarl.rollout.answers import finish
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.context import fit_prompt, own_turns
 from flexmarl.rollout.pool import Instance, InstancePool, Request
@@ -35,31 +36,6 @@ from flexmarl.rollout.stream import RolloutStream
 from flexmarl.workflows.base import Completion, Episode, Query, Workflow
 from flexmarl.workflows.checks import (check_demand, check_episode, check_wanted_calls,
                                        run_error, timeout_error)
-
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-  """How a sampled row ends: the tokens kept (what is trained), its text, and whether it
-  was cut by the token limit rather than ended by a stop token or stop string."""
-
-  length: int
-  text: str
-  truncated: bool
-
-
-def finish(tokens: np.ndarray, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> Answer:
-  """End a sampled row where its answer ends: at its stop token (kept, as sampled) or at
-  the token that completes the first stop string (kept; the string is left out of the
-  text). Tokens after that are dropped: what is trained is exactly what was answered."""
-  n = len(tokens)
-  ended = n > 0 and int(tokens[-1]) in tokenizer.stop_ids
-  if stop:
-    for k in range(1, n + 1):
-      text = tokenizer.decode(tokens[:k])
-      cut = min((text.find(s) for s in stop if s in text), default=-1)
-      if cut >= 0:
-        return Answer(k, text[:cut], False)
-  return Answer(n, tokenizer.decode(tokens), not ended)
 
 
 class _Client:
