@@ -10,7 +10,7 @@ from flax import nnx
 import pytest
 
 from flexmarl.models import transformer
-from flexmarl.models.layout import distinct_prompts, left_pad
+from flexmarl.models.layout import FULL_WIDTH_SLACK, distinct_prompts, left_pad, response_width
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.train import grpo
 from flexmarl.train.batch import TrainBatch
@@ -44,6 +44,24 @@ def test_distinct_prompts_maps_rows_to_each_prompt_once():
   same_ids, _, identity = distinct_prompts(ids[:4], mask[:4], rows=4, tags=np.arange(4))
   np.testing.assert_array_equal(identity, np.arange(4))
   np.testing.assert_array_equal(same_ids, ids[:4])
+
+
+@pytest.mark.quick
+def test_responses_take_the_full_width_unless_a_narrower_one_saves_a_good_share():
+  """The real team's shapes: answers of up to 8 of 10 tokens in 8 rows over two 64-token
+  prompts run at 10 (16 padded tokens of 192: no second program to compile); 3 of 10
+  run at 4 (48 of 160 saved); the rule is the slack, exactly at its edge."""
+  assert response_width([3, 8, 5], 10, rows=8, prompt_tokens=128) == 10
+  assert response_width([3, 2, 1], 10, rows=8, prompt_tokens=128) == 4
+  # Without prompts to weigh, 8 rows at 8 of 9 tokens: 8 padded of 64 is exactly the slack.
+  assert FULL_WIDTH_SLACK == 0.125
+  assert response_width([8], 9, rows=8, prompt_tokens=0) == 9
+  assert response_width([8], 10, rows=8, prompt_tokens=0) == 8
+  # TrainBatch lays its responses out so.
+  batch = TrainBatch.from_rows([[1] * 60] * 8, [np.arange(3, 11)] * 8,
+                               [np.zeros(8, np.float32)] * 8, np.zeros(8, np.float32),
+                               prompt_len=64, response_len=10, pad_id=PAD)
+  assert batch.responses.shape == (8, 10) and batch.shared_prompts.shape == (1, 64)
 
 
 def _model():

@@ -41,6 +41,24 @@ def padded_width(lengths: list[int], cap: int, multiple: int) -> int:
   return min(cap, -(-longest // multiple) * multiple)
 
 
+# A micro-batch's responses run at the sampler's full width unless a narrower one saves
+# more than this share of the batch's tokens (its prompts' and responses'): every other
+# width is one more program to compile, about 10 s for a 135M model's LoRA step on CPU,
+# per device it trains on, and short answers' widths (8 or 10 of 10) met one by one
+# late in a run cost more in compiles than the few padded tokens did.
+FULL_WIDTH_SLACK = 0.125
+
+
+def response_width(lengths: list[int], cap: int, rows: int, prompt_tokens: int,
+                   multiple: int = 4) -> int:
+  """The width `rows` responses of these lengths are padded to: `cap` where that adds at
+  most `FULL_WIDTH_SLACK` of the batch's tokens (`prompt_tokens` + rows · width), else
+  the longest rounded up to `multiple` (`padded_width`)."""
+  width = padded_width(lengths, cap, multiple)
+  extra = rows * (cap - width)
+  return cap if extra <= FULL_WIDTH_SLACK * (prompt_tokens + rows * width) else width
+
+
 def bucket(n: int, multiple: int = 1) -> int:
   """Round a batch size up to a power of two (few distinct shapes → few compiles)."""
   size = 1

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from flexmarl.models.layout import (PROMPT_WIDTH_MULTIPLE, bucket, distinct_prompts, left_pad,
-                                    padded_width)
+                                    padded_width, response_width)
 
 
 @dataclasses.dataclass
@@ -46,16 +46,19 @@ class TrainBatch:
     `on_policy`, `entropy_weight` [rows]: see the fields (defaults: every row's behaviour
     logprobs are the sampler's `logprobs`; every row gets the entropy bonus).
 
-    Prompt widths shrink to the longest prompt rounded up to `prompt_width_multiple`,
-    response widths to the longest response rounded up to 4 (capped at `prompt_len` /
+    Prompt widths shrink to the longest prompt rounded up to `prompt_width_multiple`
+    (capped at `prompt_len`), response widths to the longest response rounded up to 4
+    where that saves a good share of the step (`layout.response_width`, else the full
     `response_len`): short answers cost short steps, and the few distinct widths compile
     once each.
     """
     n = len(prompts)
     size = bucket(max(n, min_rows), batch_multiple)
     prompt_len = padded_width(list(map(len, prompts)), prompt_len, prompt_width_multiple)
-    response_len = padded_width(list(map(len, responses)), response_len, 4)
     ids, pmask = left_pad(list(prompts) + [[]] * (size - n), prompt_len, pad_id)
+    shared = distinct_prompts(ids, pmask, n, batch_multiple)
+    response_len = response_width(list(map(len, responses)), response_len, size,
+                                  shared[0].size)
     resp = np.full((size, response_len), pad_id, np.int32)
     rmask = np.zeros((size, response_len), bool)
     blp = np.zeros((size, response_len), np.float32)
@@ -69,7 +72,6 @@ class TrainBatch:
     weight = np.ones((size,), np.float32)
     if entropy_weight is not None:
       weight[:n] = entropy_weight
-    shared = distinct_prompts(ids, pmask, n, batch_multiple)
     return cls(ids, pmask, resp, rmask, blp, adv, same, weight, *shared)
 
   def device_arrays(self) -> dict[str, np.ndarray]:
