@@ -30,8 +30,9 @@ from flexmarl.agent import Agent
 from flexmarl.config import TeamSpec
 from flexmarl.core.clock import Clock
 from flexmarl.core.interfaces import Stats
-from flexmarl.data.groups import Group, groups_of
+from flexmarl.data.groups import Group
 from flexmarl.data.journal import CarriedRowsLost, Journal, group_ref, groups_from_store
+from flexmarl.journaled_rollout import JournaledRollout
 from flexmarl.metrics import spans, utilization
 from flexmarl.metrics.no_update import UpdateWatch
 from flexmarl.metrics.stall import StallWatch
@@ -47,40 +48,6 @@ from flexmarl.runtime.interrupt import StopRequest
 from flexmarl.schedules import Lines, Schedule, StepResult
 from flexmarl.train.checkpoint import restore_latest
 from flexmarl.workflows.base import Query, Workflow
-
-
-class JournaledRollout:
-  """One step's rollout as it streams: iterating gives each query's groups per agent
-  (only agents it served), in stream order, each group already journaled; it ends after
-  `rollout.max_step_queries` queries. `queries` and `tokens` (response tokens per agent)
-  count what was consumed so far; `starvation` sees which agents each query reached."""
-
-  def __init__(self, results: Iterator, spec: TeamSpec, journal: Journal,
-               starvation: StarvationWatch, agents: Mapping[str, Agent]):
-    self._results, self._journal, self._starvation = results, journal, starvation
-    self._advantages = {n: a.learner.advantages for n, a in agents.items()}
-    self._limit = spec.rollout.max_step_queries
-    self.queries = self.skipped = 0
-    self.tokens = {n: 0 for n in spec.agents}
-
-  def __iter__(self) -> Iterator[dict[str, list[Group]]]:
-    for result in self._results:
-      self.queries += 1
-      if result.skipped:  # admission by demand: no batch takes its rows
-        self.skipped += 1
-        yield {}
-        if self.queries >= self._limit:
-          return
-        continue
-      arrival = {n: g for n, g in groups_of(result, self._advantages).items() if g}
-      self._starvation.served({n: min(g.served.call for g in groups)
-                               for n, groups in arrival.items()})
-      for name, groups in arrival.items():
-        self._journal.record(name, groups)
-        self.tokens[name] += sum(len(t) for g in groups for t in g.served.tokens)
-      yield arrival
-      if self.queries >= self._limit:
-        return
 
 
 class JointOrchestrator:
