@@ -10,7 +10,8 @@ import pytest
 
 from flexmarl.models import transformer
 from flexmarl.models.layout import left_pad
-from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, draw, sample_key
+from flexmarl.rollout.sampler import (CDF_BLOCK, EmbeddedSampler, SamplingParams, draw,
+                                      sample_key)
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs
 
@@ -92,8 +93,21 @@ def test_samples_do_not_depend_on_batch_companions():
   np.testing.assert_allclose(alone.logprobs[0], crowd.logprobs[0], atol=1e-6)
 
 
-def test_draws_follow_the_distribution_and_never_an_impossible_token():
-  probs = np.array([0.1, 0.0, 0.6, 0.0, 0.3, 0.0], np.float32)  # the last one: banned
+def _spread(probs: np.ndarray, at: list[int], vocab: int) -> np.ndarray:
+  """`probs` placed at token ids `at` of a vocabulary of `vocab`, 0 elsewhere."""
+  out = np.zeros(vocab, np.float32)
+  out[at] = probs
+  return out
+
+
+@pytest.mark.parametrize('probs', [
+    np.array([0.1, 0.0, 0.6, 0.0, 0.3, 0.0], np.float32),  # the last one: banned
+    # over several of draw's CDF blocks: at a block's last and next block's first token,
+    # in the last, partial block, and none in a block between
+    _spread(np.array([0.1, 0.2, 0.3, 0.4], np.float32),
+            [CDF_BLOCK - 1, CDF_BLOCK, 3 * CDF_BLOCK + 5, 3 * CDF_BLOCK + 20],
+            3 * CDF_BLOCK + 40)])
+def test_draws_follow_the_distribution_and_never_an_impossible_token(probs):
   logits = np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), transformer.BANNED_LOGIT)
   n = 200_000
   uniform = jax.random.uniform(jax.random.key(0), (n,))
@@ -103,7 +117,8 @@ def test_draws_follow_the_distribution_and_never_an_impossible_token():
   counts = np.bincount(tokens, minlength=len(probs)) / n
   assert not counts[probs == 0].any(), counts
   np.testing.assert_allclose(counts, probs, atol=0.005)  # 5 sigma of 200k draws: 0.0055
-  assert tokens[0] == 0 and tokens[1] == 4, tokens[:2]
+  possible = np.flatnonzero(probs)
+  assert tokens[0] == possible[0] and tokens[1] == possible[-1], tokens[:2]
 
 
 def test_tiny_top_p_is_greedy():

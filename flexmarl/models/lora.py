@@ -66,13 +66,20 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
   return scale * jnp.tensordot(low, b, axes=1)
 
 
-def delta_rows(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-  """`delta` with an adapter of each row's own: a [B, in..., rank], b [B, rank, out...]
-  (x [B, ..., in...]), as `gather_rows` lays them out."""
-  rank, n_in = b.shape[1], a.ndim - 2
+def delta_stacked(x: jax.Array, a: jax.Array, b: jax.Array, scale: float,
+                  rows: jax.Array) -> jax.Array:
+  """`delta` with row i of x [B, ..., in...] through adapter `rows[i]` of the stacked
+  a [K, in..., rank], b [K, rank, out...] (`stack`). Every row runs all K adapters' A
+  (K·rank columns: a few percent of the base's work) and keeps its own. A copy of the
+  adapters per row, the other way, is for 64 rows of a 30-layer model a gigabyte to
+  write and then read at every decoded token; this is 14 % faster a batch
+  (experiments/benchmarks/RESULTS.md)."""
+  rank, n_in, count = b.shape[1], a.ndim - 2, a.shape[0]
   xs = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
-  low = jnp.einsum('b...i,bir->b...r', xs, a.reshape(a.shape[0], -1, rank))
-  out = jnp.einsum('b...r,bro->b...o', low, b.reshape(b.shape[0], rank, -1))
+  low = jnp.einsum('b...i,kir->b...kr', xs, a.reshape(count, -1, rank))
+  pick = jax.nn.one_hot(rows, count, dtype=low.dtype)
+  low = low * pick.reshape(pick.shape[:1] + (1,) * (low.ndim - 3) + (count, 1))
+  out = jnp.einsum('b...kr,kro->b...o', low, b.reshape(count, rank, -1))
   return scale * out.reshape(out.shape[:-1] + b.shape[2:])
 
 
@@ -80,14 +87,6 @@ def stack(adapters: list[dict]) -> dict:
   """K agents' adapters (trees alike) as one tree, each leaf [K, ...]: what one
   rollout instance serves for K agents of one base."""
   return jax.tree.map(lambda *xs: jnp.stack(xs), *adapters)
-
-
-def gather_rows(params: dict, rows: jax.Array) -> dict:
-  """`params` with stacked adapter leaves ([K, ...]) replaced by each row's own
-  ([B, ...], row i taking adapter `rows[i]`); the base leaves as they are."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: x[rows] if is_adapter(tuple(getattr(k, 'key', k) for k in path)) else x,
-      params)
 
 
 def is_adapter(path: tuple) -> bool:

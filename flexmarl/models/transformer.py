@@ -70,8 +70,9 @@ def _param(keys: Keys, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 class LoRA(nnx.Module):
   """One projection's adapter: A [in..., rank] random, B [rank, out...] zero, so that
-  it adds nothing until it trains. Served with one adapter per row (leaves
-  [B, in..., rank] and [B, rank, out...], see `lora.gather_rows`), row i uses its own."""
+  it adds nothing until it trains. Served for several agents at once: leaves stacked
+  over K agents ([K, in..., rank], [K, rank, out...], `lora.stack`) and `rows` [B] set
+  (`route_adapters`), row i runs through adapter rows[i]."""
 
   def __init__(self, keys: Keys, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                in_axes: tuple[str | None, ...], out_axes: tuple[str | None, ...],
@@ -81,13 +82,24 @@ class LoRA(nnx.Module):
     self.lora_b = nnx.Param(jnp.zeros((cfg.rank,) + out_shape, dtype),
                             out_sharding=(None,) + out_axes, eager_sharding=False)
     self.scale = cfg.scale
-    self.n_in = len(in_shape)
+    self.rows: jax.Array | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     a, b = self.lora_a[...], self.lora_b[...]
-    per_row = a.ndim > self.n_in + 1
-    return (lora_lib.delta_rows if per_row else lora_lib.delta)(x, a, b, self.scale).astype(
-        x.dtype)
+    if self.rows is None:
+      return lora_lib.delta(x, a, b, self.scale).astype(x.dtype)
+    return lora_lib.delta_stacked(x, a, b, self.scale, self.rows).astype(x.dtype)
+
+
+def route_adapters(module: nnx.Module, rows: jax.Array) -> nnx.Module:
+  """`module` (merged from a state whose adapters are stacked over K agents, `lora.stack`)
+  with row i of every input through adapter `rows[i]` (int [B]); returns it."""
+  for _, sub in nnx.iter_modules(module):
+    if isinstance(sub, LoRA):
+      sub.rows = rows
+    elif isinstance(sub, Decoder):
+      sub.adapter_rows = rows  # the scan's blocks, merged afresh per layer, are routed too
+  return module
 
 
 def _add_adapters(module: nnx.Module, cfg: ModelConfig, keys: Keys,
@@ -217,6 +229,7 @@ class Decoder(nnx.Module):
     dt = jnp.dtype(cfg.weights_dtype)
     keys = rngs if isinstance(rngs, Keys) else Keys(rngs)
     self.cfg = cfg
+    self.adapter_rows: jax.Array | None = None  # see `route_adapters`
     # Small embeddings keep the initial policy near uniform (tied logits = x·E).
     self.embed = _param(keys, (cfg.vocab_size, cfg.hidden), ('vocab', 'embed'),
                         cfg.hidden ** -0.5, dt)
@@ -256,7 +269,10 @@ class Decoder(nnx.Module):
 
       def layer(x, params_and_cache):
         params, layer_cache = params_and_cache
-        return nnx.merge(block, params)(x, positions, kv_mask, layer_cache, write_index)
+        layer_block = nnx.merge(block, params)
+        if self.adapter_rows is not None:
+          route_adapters(layer_block, self.adapter_rows)
+        return layer_block(x, positions, kv_mask, layer_cache, write_index)
 
       stacked = self.stacked_layers() if layers is None else layers
       x, new_cache = jax.lax.scan(layer, x, (stacked, cache))
