@@ -72,8 +72,8 @@ def delta_stacked(x: jax.Array, a: jax.Array, b: jax.Array, scale: float,
   a [K, in..., rank], b [K, rank, out...] (`stack`). Every row runs all K adapters' A
   (K·rank columns: a few percent of the base's work) and keeps its own. A copy of the
   adapters per row, the other way, is for 64 rows of a 30-layer model a gigabyte to
-  write and then read at every decoded token; this is 14 % faster a batch
-  (experiments/benchmarks/RESULTS.md)."""
+  write and then read at every decoded token (with the sampler's two-level `draw`, a
+  batch of three agents' rows now takes 0.69× the time: experiments/benchmarks/RESULTS.md)."""
   rank, n_in, count = b.shape[1], a.ndim - 2, a.shape[0]
   xs = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
   low = jnp.einsum('b...i,kir->b...kr', xs, a.reshape(count, -1, rank))

@@ -3,9 +3,9 @@
 A `SharedAdapterSampler` holds the base once (the device group's copy) and each agent's
 adapter in a slot of its own. A batch may mix the agents' rows: row i is sampled with
 its agent's adapter (`transformer.route_adapters`), so a row's sample and logprobs are
-those a dedicated instance of its agent would draw. Each agent
-publishes into its own slot and keeps its own version: a row's PRNG key comes from its
-agent's version, as on a dedicated instance.
+those a dedicated instance of its agent would draw. Each agent publishes into its own
+slot and keeps its own version: a row's PRNG key comes from its agent's version, as on a
+dedicated instance.
 """
 
 from __future__ import annotations
