@@ -1,7 +1,9 @@
 """Runs on a Ray cluster (`config.cluster.backend='ray'`): two Ray nodes on this machine,
 each rollout instance and each trainer in a process of its own, against the same run in
-one process. Workers are killed with SIGKILL mid-run; the runs must still end with the
-single-process run's parameters and rows."""
+one process. The team works in turns (experiments/rounds_team.py's `toy`: a solver and a
+checker in rounds, four attempts a query, credit per episode). Workers are killed with
+SIGKILL mid-run; the runs must still end with the single-process run's parameters and
+rows."""
 
 import json
 import os
@@ -21,6 +23,7 @@ from flexmarl.placement import plan as placement_lib
 from flexmarl.run import train
 from flexmarl.spec.cluster import ClusterSpec, cluster_config, parse_cores
 from flexmarl.store.experience_store import ExperienceStore
+from experiments import rounds_team
 from test_team import two_agent_config
 
 STEPS = 3
@@ -105,8 +108,9 @@ def ray_nodes():
 
 
 def _config(schedule: str, backend: str):
-  c = two_agent_config(steps=STEPS)
-  c.schedule, c.checkpoint_every = schedule, 1
+  c = rounds_team.get_config('toy')
+  c.steps, c.schedule, c.checkpoint_every, c.eval_every = STEPS, schedule, 1, 0
+  c.rollout.max_step_queries = 6
   # Trainers on devices 0 and 1 (the first node), instances on 2 and 3 (the second).
   c.rollout.devices = 'separate'
   c.cluster = cluster_config(backend=backend, devices=4, call_timeout_s=300.0)
