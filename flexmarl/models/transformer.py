@@ -274,6 +274,8 @@ class Decoder(nnx.Module):
           route_adapters(layer_block, self.adapter_rows)
         return layer_block(x, positions, kv_mask, layer_cache, write_index)
 
+      if self.cfg.remat:  # keep each layer's input; recompute its insides for the backward
+        layer = jax.checkpoint(layer)
       stacked = self.stacked_layers() if layers is None else layers
       x, new_cache = jax.lax.scan(layer, x, (stacked, cache))
     else:

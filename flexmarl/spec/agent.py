@@ -27,15 +27,17 @@ from flexmarl.spec.validate import (DERIVED, config_of, fail, read_section, refu
 # The model fields besides a preset's sizes that the model section lists (so that a
 # command-line flag can set them), with ModelConfig's defaults. Any other ModelConfig
 # field may be given too; it overrides the preset's.
-MODEL_OPTIONS = ('qkv_bias', 'tie_embeddings', 'dtype', 'base_dtype', 'scan_layers')
+MODEL_OPTIONS = ('qkv_bias', 'tie_embeddings', 'dtype', 'base_dtype', 'scan_layers', 'remat')
 NO_BOUND = 2**31  # max_instances of an agent whose rollout section sets 0
 
 
 def model_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   """The model section: a preset's sizes (vocab_size 0: the tokenizer's), or with
   `checkpoint` an HF Llama/Qwen2 folder or a GGUF file, which gives the architecture
-  (only dtype, base_dtype and scan_layers apply from here) and the weights.
+  (only dtype, base_dtype, scan_layers and remat apply from here) and the weights.
   `scan_layers` runs the layers as one scan: compiles in seconds whatever the depth.
+  `remat` recomputes each layer's insides in the backward (gradient checkpointing):
+  a train step holds one layer's activations, not all, for about a third more work.
   `base_dtype` (LoRA agents): the frozen base's weights in another dtype than the
   adapters and the compute (`dtype`), e.g. bfloat16 under float32. `lora` (rank > 0)
   makes the agent adapters on that model, which stays frozen: LoRA agents of the same
@@ -244,7 +246,8 @@ def _model(agent: str, section: Mapping[str, Any], vocab_size: int) -> tuple[Mod
            'config.tokenizer for the whole team).')
     try:
       return dataclasses.replace(model_cfg, lora=adapters, scan_layers=model['scan_layers'],
-                                 base_dtype=model['base_dtype']), checkpoint
+                                 remat=model['remat'], base_dtype=model['base_dtype']
+                                 ), checkpoint
     except ValueError as e:
       raise ConfigError(f'config.{field}: {e}') from None
   try:
