@@ -40,9 +40,10 @@ class ModelConfig:
   scan_layers: bool = False
   # Keep only each layer's input for the backward and recompute the rest (gradient
   # checkpointing): a train step's activation memory falls from every layer's insides to
-  # one layer's, for about a third more compute. For long prompts (turns of a
+  # one layer's, for one more forward pass of each layer. For long prompts (turns of a
   # conversation) on a large model; the sampler is unchanged. Needs `scan_layers`: the
-  # unrolled program measured only 10 % less (tests/test_scan_layers.py), the scan 60-80 %.
+  # unrolled program measured only 10 % less (tests/test_scan_layers.py), the scan 50-80 %
+  # (3 to 12 layers).
   remat: bool = False
   # The frozen base's weights in this dtype ('': `dtype`), e.g. 'bfloat16' under fp32
   # adapters and compute: half the memory of the largest tensors for a rounding of the

@@ -37,7 +37,7 @@ def model_config(preset: str = 'tiny') -> ml_collections.ConfigDict:
   (only dtype, base_dtype, scan_layers and remat apply from here) and the weights.
   `scan_layers` runs the layers as one scan: compiles in seconds whatever the depth.
   `remat` recomputes each layer's insides in the backward (gradient checkpointing):
-  a train step holds one layer's activations, not all, for about a third more work.
+  a train step holds one layer's activations, not all, for one more forward pass.
   `base_dtype` (LoRA agents): the frozen base's weights in another dtype than the
   adapters and the compute (`dtype`), e.g. bfloat16 under float32. `lora` (rank > 0)
   makes the agent adapters on that model, which stays frozen: LoRA agents of the same
