@@ -54,7 +54,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   from flexmarl.workflows.checks import check_workflow_api
 
   # 1. The spec: every config section read once, the workflow dry-run; no device yet.
-  tokenizers, loaded = _load_tokenizers(config)
+  tokenizers, loaded = load_tokenizers(config)
   workflow = workflow or build_workflow(config.workflow)
   check_workflow_api(workflow)
   spec = team_spec(config, {n: t.vocab_size for n, t in tokenizers.items()},
@@ -94,7 +94,7 @@ def build(config, workdir: str, workflow=None, log=print, experiment: str | None
   return orchestrator
 
 
-def _load_tokenizers(config) -> tuple[dict, dict]:
+def load_tokenizers(config) -> tuple[dict, dict]:
   """({agent: its tokenizer}, {path: tokenizer}): each agent's (`config.tokenizer_paths`:
   its own, its checkpoint's, else the team's), each file loaded once."""
   from flexmarl.config import tokenizer_paths

@@ -16,6 +16,8 @@ from flexmarl.models.transformer import Decoder, ModelConfig
 from flexmarl.rollout.sampler import EmbeddedSampler, SamplingParams, sample_key
 from flexmarl.train.batch import TrainBatch
 from flexmarl.train.loss import response_logprobs
+from flexmarl.train.sizing import train_step_scratch
+from flexmarl.train.spec import GRPOConfig
 
 CFG = ModelConfig(vocab_size=24, layers=3, lora=LoRAConfig(rank=4, alpha=8.0))
 PROMPTS = [[1, 5, 6, 7], [1, 5, 6, 7], [1, 9], [1, 9], [1, 3, 4, 5, 6, 8], [1, 4]]
@@ -107,16 +109,7 @@ def test_remat_holds_less_for_the_backward_and_needs_the_scan():
   with pytest.raises(ValueError, match='model.remat=True needs model.scan_layers=True'):
     dataclasses.replace(CFG, remat=True)
   cfg = dataclasses.replace(CFG, layers=6, mlp=512, scan_layers=True)
-  rows = 16
-  batch = dataclasses.asdict(TrainBatch.from_rows(
-      [list(range(1, 60)) + [i % 20 + 1] for i in range(rows)], [np.arange(3, 23)] * rows,
-      [np.zeros(20, np.float32)] * rows, np.linspace(-1, 1, rows), prompt_len=64,
-      response_len=20, pad_id=0))
-  scratch = {}
-  for remat in (False, True):
-    graphdef, state = nnx.split(Decoder(dataclasses.replace(cfg, remat=remat),
-                                        nnx.Rngs(params=0)))
-    compiled = jax.jit(jax.grad(_loss, argnums=1), static_argnums=0).lower(
-        graphdef, nnx.to_pure_dict(state), batch).compile()
-    scratch[remat] = compiled.memory_analysis().temp_size_in_bytes
+  scratch = {remat: train_step_scratch(dataclasses.replace(cfg, remat=remat), GRPOConfig(),
+                                       rows=16, prompt_len=64, response_len=20)
+             for remat in (False, True)}
   assert scratch[True] < 0.5 * scratch[False], scratch

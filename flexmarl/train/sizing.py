@@ -1,9 +1,11 @@
 """An agent's training state sized from shapes alone, and the checks that must pass
 before anything compiles: a mesh larger than the training pool, a host budget smaller
-than one agent's state. Nothing is allocated or compiled (`jax.eval_shape`)."""
+than one agent's state. Nothing is allocated or compiled (`jax.eval_shape`), except by
+`train_step_scratch`, which compiles one gradient to ask XLA what it holds."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -12,8 +14,11 @@ from flax import nnx
 
 from flexmarl.core.errors import ConfigError
 from flexmarl.models import lora, sharding, transformer
+from flexmarl.train.batch import TrainBatch
+from flexmarl.train.loss import loss_sum
 from flexmarl.train.optimizer import make_optimizer
 from flexmarl.train.spec import GRPOConfig, OptimizerConfig
+
 
 def check_pool(pool_devices: int, layouts: Mapping[str, sharding.MeshLayout],
                field: str = 'agents.{name}.mesh_shape') -> None:
@@ -52,6 +57,32 @@ def state_nbytes(model_cfg: transformer.ModelConfig, opt_cfg: OptimizerConfig,
   trees = [params, opt, rng] + ([params] if grpo_cfg.kl_coef else [])
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(trees))
+
+
+def train_step_scratch(model_cfg: transformer.ModelConfig, grpo_cfg: GRPOConfig, rows: int,
+                       prompt_len: int, response_len: int) -> int:
+  """Bytes of scratch one micro-batch's gradient needs on one device: what the forward
+  keeps for the backward (every layer's insides; with `model.remat` each layer's input)
+  and the gradients in flight, beside the state and base the memory report counts. The
+  longest case: `rows` rows, no two sharing a prompt, every prompt `prompt_len` tokens
+  and every response `response_len`. XLA's own figure: the trainer's loss is lowered
+  over shapes and compiled (seconds; a minute for a 0.5B model on a CPU), never run.
+  A mesh that splits the batch holds its share of this on each device."""
+  graphdef, state = transformer.abstract_model(model_cfg)
+  trainable, frozen = lora.partition(nnx.to_pure_dict(state), model_cfg.lora)
+  prompts = [[1] * prompt_len for _ in range(rows)]
+  batch = TrainBatch.from_rows(
+      prompts, [np.ones(response_len, np.int32)] * rows,
+      [np.zeros(response_len, np.float32)] * rows, np.ones(rows, np.float32),
+      prompt_len=prompt_len, response_len=response_len, pad_id=0,
+      prompt_width_multiple=1)
+  ref = lora.combine(trainable, frozen) if grpo_cfg.kl_coef else None
+
+  def gradient(t, f, r, b):
+    return jax.grad(lambda t: loss_sum(lora.combine(t, f), r, b, 0.0, graphdef=graphdef,
+                                       cfg=grpo_cfg)[0])(t)
+  compiled = jax.jit(gradient).lower(trainable, frozen, ref, dataclasses.asdict(batch)).compile()
+  return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def check_host_budget(budget_bytes: int, state_bytes: Mapping[str, int],
