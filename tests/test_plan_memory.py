@@ -45,6 +45,7 @@ def test_plan_adds_each_training_agents_step_to_what_its_group_holds(monkeypatch
                                      + result.scratch['solver'] + result.scratch['verifier']}
 
 
+@pytest.mark.quick
 def test_a_plan_past_the_memory_names_the_fields_that_shrink_it(monkeypatch):
   config = rounds_team.get_config('toy')
   monkeypatch.setattr(plan_memory, '_machine_bytes', lambda platform, device: 2**20)
