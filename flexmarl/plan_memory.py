@@ -24,8 +24,6 @@ from typing import Any, NamedTuple
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.')
-
 
 
 # What is not counted (the sampler's caches, the process itself) needs room too: the
@@ -119,13 +117,14 @@ def main(argv) -> None:
   from flexmarl.run import quiet_logging
   quiet_logging()
   try:
-    result = plan(_CONFIG.value)
+    result = plan(flags.FLAGS.config)
   except ConfigError as e:  # the message names the fix
     sys.exit(f'ConfigError: {e}')
   print('\n'.join(result.lines))
   sys.exit(0 if result.fits else 1)
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # the flag only here: the library (plan) may share a process
+  config_flags.DEFINE_config_file('config', None, 'Experiment config file.')  # with main's
   flags.mark_flags_as_required(['config'])
   app.run(main)

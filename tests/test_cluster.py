@@ -184,6 +184,33 @@ def test_a_dead_trainer_resumes_the_run_from_its_checkpoint(runs):
              for l in runs['log']), runs['log']
 
 
+def test_a_worker_ray_cannot_reach_yet_is_sent_the_call_again(ray_nodes):
+  """Ray's ActorUnavailableError (a killed worker it has not yet seen die, or one still
+  restarting) is not a death: the call is sent again until the timeout. A dead worker is
+  lost at once. (Under load, a rollout worker's restart once took a run restart.)"""
+  import ray
+  from flexmarl.cluster.remote import WorkerLost, resolve_resent
+
+  @ray.remote(num_cpus=0)
+  class Flaky:
+    def __init__(self):
+      self.calls = 0
+
+    def call(self, unavailable: int) -> int:
+      self.calls += 1
+      if self.calls <= unavailable:
+        raise ray.exceptions.ActorUnavailableError('restarting', None)
+      return self.calls
+
+  flaky, dead = Flaky.remote(), Flaky.remote()
+  assert resolve_resent(lambda: flaky.call.remote(2), 'flaky', 'call', 60.0) == 3
+  ray.kill(dead, no_restart=True)
+  start = time.monotonic()
+  with pytest.raises(WorkerLost, match='dead died during call'):
+    resolve_resent(lambda: dead.call.remote(0), 'dead', 'call', 60.0)
+  assert time.monotonic() - start < 30
+
+
 def test_placement_lists_both_nodes_and_work_runs_on_both(runs):
   with open(os.path.join(runs['ray'], placement_lib.FILENAME)) as f:
     cluster = json.load(f)['cluster']

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,23 @@ def resolve(ref, who: str, call: str, timeout: float):
     ) from None
   except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
     raise WorkerLost(f'{who} died during {call} ({type(e).__name__}).') from e
+
+
+def resolve_resent(send: Callable[[], Any], who: str, call: str, timeout: float):
+  """`resolve(send())`, sent again while Ray finds the worker unreachable but not dead
+  (`ActorUnavailableError`: a killed process it has not yet seen die, or one still
+  restarting) until `timeout`: the restarted worker serves the call. Only for calls
+  that may run twice (setting weights; a batch, whose keys fix its samples)."""
+  import ray
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      return resolve(send(), who, call, max(1.0, deadline - time.monotonic()))
+    except WorkerLost as e:
+      if (not isinstance(e.__cause__, ray.exceptions.ActorUnavailableError)
+          or time.monotonic() >= deadline):
+        raise
+      time.sleep(0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +145,8 @@ class RemoteSampler:
   def retry(self, args: tuple, weights: Handle, version: int):
     """After a crash (Ray restarted the worker with its first weights): serve `args`
     under `weights`, then go back to the current ones."""
-    resolve(self.actor.update_weights.remote(weights.ref, version), self.name,
-            'update_weights (after a restart)', self.cluster.call_timeout_s)
+    resolve_resent(lambda: self.actor.update_weights.remote(weights.ref, version), self.name,
+                   'update_weights (after a restart)', self.cluster.call_timeout_s)
     ref = self.actor.generate.remote(*args, version)
     self.actor.update_weights.remote(self.weights.ref, self.version)
     return ref
