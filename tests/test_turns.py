@@ -165,6 +165,10 @@ def test_groups_of_one_or_episode_credit_without_attempts_are_refused_first(tmp_
   with pytest.raises(ConfigError, match=r'grpo.dynamic_sampling.*a turn is one sample'):
     AgentSpec.from_config('a', agent_config('tiny', grpo=dict(credit='episode',
                                                                dynamic_sampling=True)), 20)
+  with pytest.raises(ConfigError, match=r"grpo.turn_reward_coef=1.0.*credit='call' there "
+                     r'is none.*set it to 0'):
+    AgentSpec.from_config('a', agent_config('tiny', grpo=dict(credit='call',
+                                                               turn_reward_coef=1.0)), 20)
 
 
 @pytest.mark.quick

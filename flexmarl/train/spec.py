@@ -169,6 +169,11 @@ class GRPOConfig:
              'must be a finite number (0: the outcome alone).')
     in_range(f'{field}.turn_discount', g.turn_discount, 0.0, 1.0,
              'discounts later turns: 0 to 1 (1: every later turn counts in full).')
+    if g.credit not in EPISODE_CREDITS and g.turn_reward_coef:
+      fail(f'{field}.turn_reward_coef', g.turn_reward_coef, f'adds turn rewards to an '
+           f"episode's outcome, and under {field}.credit={g.credit!r} there is none (each "
+           "sample is scored by its own reward already); set it to 0, or use "
+           f'credit in {sorted(EPISODE_CREDITS)}.')
     if g.credit in EPISODE_CREDITS:
       # A turn is a group of one sample there: these compare the samples of one call.
       for name, on in (('zero_spread_baseline', g.zero_spread_baseline > 0),
