@@ -74,8 +74,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     a = agent_config('tiny', group_size=4, global_batch=32, micro_batch=8 if qwen else 16,
                      sampling=dict(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens))
     a.grpo.credit = credit
-    if not toy and credit != 'call':  # (call groups score each turn by itself already)
-      a.grpo.turn_reward_coef = 1.0  # the outcome alone rewards any rejection (above)
+    if not toy:
+      if credit != 'call':  # (call groups score each turn by itself already)
+        a.grpo.turn_reward_coef = 1.0  # the outcome alone rewards any rejection (above)
       a.model.checkpoint = model
       a.model.lora = dict(rank=16, alpha=32.0)
       a.grpo.entropy_coef = 0.0  # a pretrained model's distribution is broad already
